@@ -1,0 +1,68 @@
+"""Restart-safe epoch loops backed by the elastic state.
+
+The epoch number lives in :class:`hvd_adapt.State`, so after a resize, a
+failure or a full restart from a checkpoint the loop resumes in the epoch it
+was in, and a loader in that loop resumes mid-epoch::
+
+    @hvd_adapt.run
+    def train(state):
+        for epoch in hvd_adapt.remaining_epochs_until(30):
+            for x, y in loader:
+                ...
+                state.commit()
+"""
+from . import _context
+
+
+class EpochCounter:
+    """The epoch a job is in; saved, restored and synced as part of the State."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.in_loop = False
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def _counter():
+    state = _context.get_state()
+    if state is None:
+        raise RuntimeError("remaining_epochs_until needs an hvd_adapt.State: create one before the loop")
+    return state.epochs
+
+
+def remaining_epochs_until(epoch):
+    """Yield the epochs from the current one up to ``epoch - 1``.
+
+    The current epoch is taken from the state, so a job that restarts in
+    epoch 7 of 30 yields 7..29. The counter moves on only when the body of an
+    epoch has finished, and like everything else it is kept once committed.
+
+    >>> for epoch in remaining_epochs_until(3):
+    ...     print(epoch)
+    0
+    1
+    2
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"remaining_epochs_until expects an int >= 0, got {epoch!r}")
+    counter = _counter()
+    # Not reset in a finally: a loop left by a resize interrupt is entered
+    # again right away by the re-run training function.
+    counter.in_loop = True
+    while counter.epoch < epoch:
+        yield counter.epoch
+        counter.epoch += 1
+    counter.in_loop = False
+
+
+def current_epoch():
+    """The epoch of the running ``remaining_epochs_until`` loop, or None outside one."""
+    state = _context.get_state()
+    if state is None or not state.epochs.in_loop:
+        return None
+    return state.epochs.epoch

@@ -1,0 +1,244 @@
+"""hvd_adapt.State: one Horovod elastic state for everything a resize must carry.
+
+It is a ``horovod.torch.elastic.TorchState`` (so models, torch optimizers
+and plain attributes work as in Horovod) with handlers for hvd_adapt's own
+objects: loaders and samplers (data position, step profile, batch-size
+choice), accumulators, the distributed optimizer (with its noise scale) and
+the epoch counter. Handlers follow Horovod's StateHandler registry: a type,
+and a class that saves, restores and syncs values of that type.
+"""
+import copy
+import os
+import pickle
+
+import torch
+from horovod.torch.elastic.state import StateHandler, TorchState
+from horovod.torch.functions import broadcast_optimizer_state
+
+from . import _context, collective, env
+from .accumulator import Accumulator, flush
+from .data import AdaptiveDataLoader, ElasticSampler
+from .epoch import EpochCounter
+from .optimizer import DistributedOptimizer
+
+CHECKPOINT_FORMAT = "hvd_adapt-checkpoint-v1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file cannot be read or does not fit this job's State."""
+
+
+class StateDictHandler(StateHandler):
+    """For objects with ``state_dict()``/``load_state_dict()``: snapshot, restore, rank-0 sync."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        self.save()
+
+    def save(self):
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self):
+        self.value.load_state_dict(collective.broadcast_object(self.value.state_dict()))
+
+
+class AccumulatorHandler(StateDictHandler):
+    """Totals come from rank 0 on sync; each replica keeps its own pending updates."""
+
+    def sync(self):
+        self.value.load_totals(collective.broadcast_object(self.value.state_dict()["totals"]))
+
+
+class OptimizerHandler(StateDictHandler):
+    """The wrapped optimizer syncs through Horovod's broadcast_optimizer_state."""
+
+    def sync(self):
+        broadcast_optimizer_state(self.value.optimizer, root_rank=0)
+        self.value.gns.load_state_dict(collective.broadcast_object(self.value.gns.state_dict()))
+        self.value.discard_accumulation()
+
+
+_registry = [
+    (AdaptiveDataLoader, StateDictHandler),
+    (ElasticSampler, StateDictHandler),
+    (Accumulator, AccumulatorHandler),
+    (DistributedOptimizer, OptimizerHandler),
+    (EpochCounter, StateDictHandler),
+]
+
+
+def register_handler(value_type, handler_cls):
+    """Let :class:`State` carry values of ``value_type`` with ``handler_cls`` (a StateHandler).
+
+    Registered types are looked up before hvd_adapt's and Horovod's own.
+    """
+    if not (isinstance(handler_cls, type) and issubclass(handler_cls, StateHandler)):
+        raise ValueError(f"handler_cls must be a horovod StateHandler subclass, got {handler_cls!r}")
+    _registry.insert(0, (value_type, handler_cls))
+
+
+def _handler_for(value):
+    for value_type, handler_cls in _registry:
+        if isinstance(value, value_type):
+            return handler_cls(value)
+    return None
+
+
+class State(TorchState):
+    """Everything training must carry across resizes, failures and restarts.
+
+    >>> state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats,
+    ...                         best_accuracy=0.0)
+    >>> state.commit()                 # where resizes take effect
+    >>> state.save_checkpoint("ckpt/job.pt")
+
+    ``commit()`` is a no-op in the middle of a gradient-accumulation cycle:
+    accumulated gradients are not part of the state, so commits take effect
+    at optimizer steps. A :class:`hvd_adapt.DistributedOptimizer` is bound to
+    the loader it accumulates for: the autoscaled loader if there is one,
+    else the first loader given.
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        kwargs.update(model=model, optimizer=optimizer)
+        kwargs["epochs"] = EpochCounter()
+        ours = {}
+        for name in list(kwargs):
+            handler = _handler_for(kwargs[name])
+            if handler is not None:
+                ours[name] = handler
+                del kwargs[name]
+        model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
+        super().__init__(model=model, optimizer=optimizer, **kwargs)
+        for name, handler in ours.items():
+            # TorchState always files model/optimizer; ours supersede them.
+            self._saved_state.pop(name, None)
+            setattr(self, name, handler.value)
+        self._handlers.update(ours)
+        self._accumulators = [h.value for h in ours.values() if isinstance(h.value, Accumulator)]
+        self._loaders = [h.value for h in ours.values() if isinstance(h.value, AdaptiveDataLoader)]
+        self._optimizers = [h.value for h in ours.values()
+                            if isinstance(h.value, DistributedOptimizer)]
+        if self._loaders:
+            train = next((l for l in self._loaders if l._autoscale is not None), self._loaders[0])
+            for opt in self._optimizers:
+                opt._bind(train)
+        self._needs_resync = False
+        self._drain = None
+        self.register_reset_callbacks([self._after_reset])
+        _context.set_state(self)
+
+    @property
+    def epoch(self):
+        """The current epoch of ``remaining_epochs_until``."""
+        return self.epochs.epoch
+
+    def at_optim_boundary(self):
+        """False while any bound loader is between the steps of an accumulation cycle."""
+        return all(loader.is_optim_step() for loader in self._loaders)
+
+    def commit(self):
+        """Collective: save the state and raise ``HostsUpdatedInterrupt`` if hosts changed.
+
+        Also sums pending accumulator updates over replicas (one collective)
+        and, with a SIGTERM drain installed, stops the job when any replica
+        was asked to stop.
+        """
+        if not self.at_optim_boundary():
+            return
+        if self._accumulators:
+            flush(self._accumulators)
+        self.save()
+        if self._drain is not None:
+            self._drain.check(self)
+        self.check_host_updates()
+
+    def sync(self):
+        super().sync()
+        self._needs_resync = False
+
+    def _after_reset(self):
+        # After a HostsUpdatedInterrupt with skip_sync, Horovod does not sync;
+        # run() still re-syncs hvd_adapt's parts (cheap) so that positions,
+        # totals and batch-size choices come from one rank. Collectives are
+        # not allowed here: a new worker does not pass through this callback.
+        self._needs_resync = True
+        for loader in self._loaders:
+            loader.request_decision()
+        for opt in self._optimizers:
+            opt.discard_accumulation()
+        if self._drain is not None:
+            self._drain.discard_pending()
+
+    def _resync_light(self):
+        for handler in self._handlers.values():
+            if isinstance(handler, StateDictHandler) and not isinstance(handler, OptimizerHandler):
+                handler.sync()
+        self._needs_resync = False
+
+    # -- whole-job checkpoints -------------------------------------------------------
+    def _checkpoint_payload(self):
+        values = {}
+        for name, handler in self._handlers.items():
+            value = handler.value
+            values[name] = value.state_dict() if hasattr(value, "state_dict") else value
+        return {"format": CHECKPOINT_FORMAT, "handlers": values,
+                "objects": {k: getattr(self, k) for k in self._saved_state}}
+
+    def save_checkpoint(self, path):
+        """Write the committed state to ``path`` on rank 0 (others do nothing), atomically.
+
+        Call it right after ``commit()``. The file is written beside ``path``
+        and renamed over it, so a job killed while writing leaves the old
+        checkpoint intact.
+        """
+        if env.rank() != 0:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(self._checkpoint_payload(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def load_checkpoint(self, path):
+        """Load ``path`` on rank 0 if it exists; returns whether it did.
+
+        The other ranks receive the state at the next sync (``run`` syncs
+        first). Raises :class:`CheckpointError`, naming the file, if it is
+        corrupt or was written for a State with other contents.
+        """
+        if env.rank() != 0 or not os.path.exists(path):
+            return False
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path} is unreadable ({e}); "
+                                  "delete it to start afresh") from e
+        if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path} is not an hvd_adapt checkpoint ({CHECKPOINT_FORMAT})")
+        expected = set(self._handlers) | set(self._saved_state)
+        found = set(payload["handlers"]) | set(payload["objects"])
+        if expected != found:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this State: missing {sorted(expected - found)}, "
+                f"unexpected {sorted(found - expected)}")
+        for name, value in payload["handlers"].items():
+            target = self._handlers[name].value
+            try:
+                target.load_state_dict(value)
+            except (KeyError, ValueError, RuntimeError, TypeError) as e:
+                raise CheckpointError(f"checkpoint {path}: cannot load {name!r}: {e}") from e
+        for name, value in payload["objects"].items():
+            setattr(self, name, value)
+        self.save()
+        return True
