@@ -24,7 +24,7 @@ def allreduce(value, name=None):
         for key, v in value.items():
             _check_number(v, key)
         total = {}
-        for part in hvd.allgather_object(value, name=name):
+        for part in allgather_object(value, name=name):
             for key, v in part.items():
                 total[key] = total.get(key, 0) + v
         return total
@@ -35,13 +35,21 @@ def allreduce(value, name=None):
 
 
 def broadcast_object(obj, root_rank=0, name=None):
-    """Return ``obj`` as given on ``root_rank``, on every replica (pickled)."""
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+    """Return ``obj`` as given on ``root_rank``, on every replica (pickled).
+
+    Unlike ``hvd.broadcast_object``, the default name does not depend on the
+    type of ``obj``, so ranks may pass placeholders of another type (None).
+    """
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvd_adapt.bcast")
 
 
 def allgather_object(obj, name=None):
-    """Return the list of every replica's ``obj``, indexed by rank (pickled)."""
-    return hvd.allgather_object(obj, name=name)
+    """Return the list of every replica's ``obj``, indexed by rank (pickled).
+
+    As with :func:`broadcast_object`, the default name is fixed, so objects
+    may differ in type across ranks.
+    """
+    return hvd.allgather_object(obj, name=name or "hvd_adapt.allgather")
 
 
 def _check_number(value, key=None):

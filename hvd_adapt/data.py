@@ -205,6 +205,12 @@ class AdaptiveDataLoader:
             return self._default_choice(env.size())
         return self._choice[:2]
 
+    @property
+    def choice(self):
+        """``(local_bsz, accumulation_steps, num_replicas)`` last decided, or None before autoscaling
+        decided anything; ``num_replicas`` is the world size the choice was made for."""
+        return self._choice
+
     def is_optim_step(self):
         """True when the batch just handed out ends an accumulation cycle."""
         return self._micro == 0

@@ -1,0 +1,17 @@
+"""Each rank reports what env and collective computed for rank-dependent inputs."""
+import hvd_adapt
+from hvd_adapt import collective, env
+
+from _report import report
+
+hvd_adapt.init()
+r, n = env.rank(), env.size()
+report({
+    "rank": r, "size": n, "local_rank": env.local_rank(), "local_size": env.local_size(),
+    "num_nodes": env.num_nodes(), "launcher": env.launcher(),
+    "sum_int": collective.allreduce(r + 1),
+    "sum_float": collective.allreduce(0.5 * r),
+    "sum_dict": collective.allreduce({"a": r, "b": 1.5, f"only{r}": 1}),
+    "bcast": collective.broadcast_object({"from": r} if r == n - 1 else None, root_rank=n - 1),
+    "gather": collective.allgather_object(r * 10),
+}, r)
