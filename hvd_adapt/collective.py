@@ -1,7 +1,8 @@
 """Collectives over Python objects, on Horovod's own operations.
 
 Each function is a collective: every replica of the world must call it, in the
-same order, or the job hangs. With a world of one they return their input.
+same order, or the job hangs. With a world of one they return their input
+without a round trip through Horovod's background thread.
 """
 import numbers
 
@@ -23,12 +24,16 @@ def allreduce(value, name=None):
     if isinstance(value, dict):
         for key, v in value.items():
             _check_number(v, key)
+        if hvd.size() == 1:
+            return dict(value)
         total = {}
         for part in allgather_object(value, name=name):
             for key, v in part.items():
                 total[key] = total.get(key, 0) + v
         return total
     _check_number(value)
+    if hvd.size() == 1:
+        return value
     dtype = torch.int64 if isinstance(value, numbers.Integral) else torch.float64
     summed = hvd.allreduce(torch.tensor([value], dtype=dtype), op=hvd.Sum, name=name)
     return summed.item()
@@ -40,6 +45,8 @@ def broadcast_object(obj, root_rank=0, name=None):
     Unlike ``hvd.broadcast_object``, the default name does not depend on the
     type of ``obj``, so ranks may pass placeholders of another type (None).
     """
+    if hvd.size() == 1:
+        return obj
     return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvd_adapt.bcast")
 
 
@@ -49,6 +56,8 @@ def allgather_object(obj, name=None):
     As with :func:`broadcast_object`, the default name is fixed, so objects
     may differ in type across ranks.
     """
+    if hvd.size() == 1:
+        return [obj]
     return hvd.allgather_object(obj, name=name or "hvd_adapt.allgather")
 
 

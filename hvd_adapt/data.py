@@ -257,12 +257,15 @@ class AdaptiveDataLoader:
         self._needs_decision = True
 
     # -- iteration -------------------------------------------------------------------
-    def _start_pass(self):
+    def _next_pass_epoch(self):
+        """The epoch that iterating now would visit: the loop's, or the next once one is done."""
         epoch = current_epoch()
         if epoch is not None:
-            self.sampler.set_epoch(epoch)
-        elif self.sampler.remaining == 0:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
+            return epoch
+        return self.sampler.epoch + 1 if self.sampler.remaining == 0 else self.sampler.epoch
+
+    def _start_pass(self):
+        self.sampler.set_epoch(self._next_pass_epoch())
 
     def _torch_loader(self, plan):
         generator = torch.Generator()
@@ -300,13 +303,19 @@ class AdaptiveDataLoader:
                 if self._autoscale is not None and optim_steps % self._autoscale.decide_every == 0:
                     self._needs_decision = True
                 if self._needs_decision:
+                    started = time.perf_counter()
                     self._decide()
                     if self._current() != (local, accum):
                         break
+                    # Deciding is not part of the step the profile times.
+                    last = (last[0] + time.perf_counter() - started, last[1])
         self.num_padded = 0
 
     def __len__(self):
+        """Batches this replica gets from here to the end of the pass that iterating would make."""
         local, _ = self._current()
+        if self._next_pass_epoch() != self.sampler.epoch:
+            return math.ceil(self.sampler.num_samples / (env.size() * local))
         return self.sampler.num_batches(local, env.size())
 
     # -- elastic state ---------------------------------------------------------------

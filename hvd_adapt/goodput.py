@@ -140,7 +140,7 @@ class GoodputFunction:
             accum = np.zeros_like(local)
         atomic = np.ceil(local / (accum + 1) - 1e-8)
         goodput = self.evaluate(nodes, replicas, atomic, accum)
-        valid = (atomic >= lo) & (atomic <= hi) & (replicas * atomic * (accum + 1) <= top + 1e-8)
+        valid = (atomic >= lo) & (atomic <= hi) & (replicas * atomic * (accum + 1) <= max_batch_size)
         goodput = np.where(valid, goodput, 0.0)
         best = np.argmax(goodput, axis=0)
         cols = np.arange(goodput.shape[1])
@@ -272,11 +272,11 @@ class AutoscaleConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"local_bsz_bounds {name} bound must be an int >= 1 or None, "
                                  f"got {value!r}")
-        if lo > hi:
-            raise ValueError(f"local_bsz_bounds must have lo <= hi, got ({lo}, {hi})")
         if lo > max_batch_size:
             raise ValueError(f"local_bsz_bounds lower bound {lo} exceeds max_batch_size "
                              f"{max_batch_size}")
+        if lo > hi:
+            raise ValueError(f"local_bsz_bounds must have lo <= hi, got ({lo}, {hi})")
         if not isinstance(gradient_accumulation, bool):
             raise ValueError(f"gradient_accumulation must be True or False, "
                              f"got {gradient_accumulation!r}")

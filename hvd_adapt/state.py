@@ -113,6 +113,9 @@ class State(TorchState):
                 del kwargs[name]
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
+        # Horovod's own object broadcast costs a background-thread round trip
+        # even in a world of one; ours returns at once there.
+        self._bcast_object = collective.broadcast_object
         for name, handler in ours.items():
             # TorchState always files model/optimizer; ours supersede them.
             self._saved_state.pop(name, None)
@@ -154,7 +157,10 @@ class State(TorchState):
         self.save()
         if self._drain is not None:
             self._drain.check(self)
-        self.check_host_updates()
+        if env.is_elastic():
+            # Only the elastic driver sends host updates; elsewhere the check
+            # would be a broadcast of nothing.
+            self.check_host_updates()
 
     def sync(self):
         super().sync()

@@ -1,0 +1,203 @@
+"""ElasticSampler and AdaptiveDataLoader in one process."""
+import collections
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import hvd_adapt
+from hvd_adapt import ElasticSampler, AdaptiveDataLoader
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _init():
+    hvd_adapt.init()
+
+
+class Indices(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def world_epoch(sampler, local_bsz, num_replicas):
+    """Simulate every rank for the rest of an epoch: per-rank lists of index batches."""
+    per_rank = [list(sampler.batches(local_bsz, num_replicas, r)) for r in range(num_replicas)]
+    assert len({len(b) for b in per_rank}) == 1, "every rank must get the same number of batches"
+    return per_rank
+
+
+def test_permutation_is_deterministic_per_seed_and_epoch():
+    a, b = ElasticSampler(range(50), seed=1), ElasticSampler(range(50), seed=1)
+    assert np.array_equal(a.permutation(), b.permutation())
+    first = a.permutation()
+    a.set_epoch(1)
+    assert not np.array_equal(first, a.permutation())
+    assert sorted(a.permutation()) == list(range(50))
+    assert not np.array_equal(first, ElasticSampler(range(50), seed=2).permutation())
+    assert list(ElasticSampler(range(5), shuffle=False).permutation()) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("num_replicas", range(1, 9))
+@pytest.mark.parametrize("n,local_bsz", [(1, 1), (7, 2), (50, 3), (64, 4), (101, 5)])
+def test_partition_covers_epoch_once_with_padding_only_at_end(num_replicas, n, local_bsz):
+    sampler = ElasticSampler(range(n), seed=0)
+    per_rank = world_epoch(sampler, local_bsz, num_replicas)
+    counts = collections.Counter()
+    num_steps = len(per_rank[0])
+    for step in range(num_steps):
+        world_count = per_rank[0][step][1]
+        step_real = []
+        for rank in range(num_replicas):
+            indices, count = per_rank[rank][step]
+            assert count == world_count
+            pad = ElasticSampler.padding(count, num_replicas, rank)
+            if step < num_steps - 1:
+                assert pad == 0 and len(indices) == local_bsz
+            step_real += indices[:len(indices) - pad]
+        assert len(step_real) == world_count
+        counts.update(step_real)
+    assert counts == collections.Counter(range(n))
+
+
+@pytest.mark.parametrize("position", [0, 1, 13, 29, 30])
+@pytest.mark.parametrize("new_replicas", [1, 3, 4])
+def test_rest_of_epoch_repartitions_over_a_new_world(position, new_replicas):
+    sampler = ElasticSampler(range(30), seed=5)
+    perm = sampler.permutation()
+    sampler.advance(position)
+    rest = [i for r in range(new_replicas) for idx, c in sampler.batches(2, new_replicas, r)
+            for i in idx[:len(idx) - ElasticSampler.padding(c, new_replicas, r)]]
+    assert sorted(rest) == sorted(perm[position:].tolist())
+
+
+def test_consumed_samples_are_a_prefix_of_the_permutation():
+    sampler = ElasticSampler(range(40), seed=9)
+    perm = sampler.permutation()
+    per_rank = world_epoch(sampler, 3, 2)
+    consumed = []
+    for step in range(3):
+        consumed += per_rank[0][step][0] + per_rank[1][step][0]
+        assert sorted(consumed) == sorted(perm[:len(consumed)].tolist())
+
+
+def test_state_dict_resumes_exactly():
+    sampler = ElasticSampler(range(20), seed=4)
+    sampler.set_epoch(3)
+    sampler.advance(7)
+    other = ElasticSampler(range(20))
+    other.load_state_dict(sampler.state_dict())
+    assert list(other.batches(2, 2, 1)) == list(sampler.batches(2, 2, 1))
+    with pytest.raises(ValueError, match="20 samples"):
+        ElasticSampler(range(21)).load_state_dict(sampler.state_dict())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(local_bsz=0, num_replicas=1, rank=0), "local_bsz must be an int >= 1, got 0"),
+    (dict(local_bsz=1, num_replicas=0, rank=0), "num_replicas must be an int >= 1, got 0"),
+    (dict(local_bsz=1, num_replicas=2, rank=2), r"rank must be an int in \[0, 1\], got 2"),
+])
+def test_sampler_bad_arguments_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        list(ElasticSampler(range(5)).batches(**kwargs))
+
+
+def test_sampler_rejects_empty_dataset_and_bad_seed():
+    with pytest.raises(ValueError, match="non-empty"):
+        ElasticSampler([])
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        ElasticSampler(range(3), seed=-1)
+    with pytest.raises(ValueError, match="count must be an int in"):
+        ElasticSampler(range(3)).advance(4)
+
+
+def test_sampler_as_plain_torch_sampler():
+    sampler = ElasticSampler(range(10), shuffle=False)
+    assert list(sampler) == list(range(10)) and len(sampler) == 10
+    sampler.advance(4)
+    assert list(sampler) == list(range(4, 10))
+
+
+@pytest.mark.parametrize("key", ["sampler", "batch_sampler", "drop_last"])
+def test_loader_rejects_custom_sampling(key):
+    with pytest.raises(ValueError, match=key):
+        AdaptiveDataLoader(Indices(10), batch_size=2, **{key: None})
+
+
+def test_loader_rejects_bad_batch_size():
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        AdaptiveDataLoader(Indices(10), batch_size=0)
+
+
+def test_loader_epoch_passes_and_auto_epochs():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=4, shuffle=True)
+    first = [b.tolist() for b in loader]
+    assert [len(b) for b in first] == [4, 4, 2]
+    assert sorted(sum(first, [])) == list(range(10))
+    assert len(loader) == 3
+    second = [b.tolist() for b in loader]
+    assert loader.sampler.epoch == 1 and first != second
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resumes_mid_epoch_from_state_dict(num_workers):
+    loader = AdaptiveDataLoader(Indices(23), batch_size=5, shuffle=True, num_workers=num_workers)
+    it = iter(loader)
+    seen = [next(it).tolist(), next(it).tolist()]
+    snapshot = loader.state_dict()
+    del it
+    resumed = AdaptiveDataLoader(Indices(23), batch_size=5, shuffle=True, num_workers=num_workers)
+    resumed.load_state_dict(snapshot)
+    rest = [b.tolist() for b in resumed]
+    assert sorted(sum(seen + rest, [])) == list(range(23))
+    assert resumed.sampler.epoch == 0
+
+
+def test_loader_properties_without_autoscale():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=6)
+    assert loader.current_local_bsz == 6 and loader.accumulation_steps == 0
+    assert loader.current_batch_size == 6 and loader.is_optim_step() and loader.choice is None
+
+
+def test_loader_passes_dataloader_kwargs():
+    loader = AdaptiveDataLoader(Indices(6), batch_size=3, collate_fn=lambda b: sum(b))
+    assert sum(loader) == sum(range(6))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((4,), "max_batch_size must be an int >= the loader's batch_size \\(8\\), got 4"),
+    ((64, (0, 8)), "lower bound must be an int >= 1 or None, got 0"),
+    ((64, (16, 8)), r"lo <= hi, got \(16, 8\)"),
+    ((64, (128, None)), "exceeds max_batch_size"),
+    ((64, 5), r"pair \(lo, hi\)"),
+    ((64, None, "yes"), "gradient_accumulation must be True or False"),
+    ((64, None, False, 0), "decide_every must be an int >= 1, got 0"),
+])
+def test_autoscale_bad_arguments_name_the_value(args, match):
+    loader = AdaptiveDataLoader(Indices(10), batch_size=8)
+    with pytest.raises(ValueError, match=match):
+        loader.autoscale_batch_size(*args)
+
+
+def test_autoscale_default_respects_bounds_with_accumulation():
+    loader = AdaptiveDataLoader(Indices(100), batch_size=32)
+    loader.autoscale_batch_size(256, local_bsz_bounds=(4, 8), gradient_accumulation=True)
+    assert (loader.current_local_bsz, loader.accumulation_steps) == (8, 3)
+    assert loader.current_batch_size == 32
+    optim_flags = []
+    for _ in loader:
+        optim_flags.append(loader.is_optim_step())
+    # 100 samples at 8 per step: 13 batches, an optimizer step every 4th and at the end.
+    assert optim_flags == [False, False, False, True] * 3 + [True]
+
+
+def test_progress_line_mentions_batch_sizes():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=4)
+    line = loader.progress_line()
+    assert "bsz=4" in line and "local_bsz=4" in line and "accum=0" in line

@@ -1,0 +1,46 @@
+"""env and collective in one plain process: a world of one."""
+import pytest
+
+import hvd_adapt
+from hvd_adapt import collective, env
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _init():
+    hvd_adapt.init()
+
+
+def test_world_of_one():
+    assert (env.rank(), env.size(), env.local_rank(), env.local_size(), env.num_nodes()) == \
+        (0, 1, 0, 1, 1)
+    assert env.launcher() == "python"
+    assert not env.is_elastic()
+
+
+def test_init_twice_is_harmless():
+    hvd_adapt.init()
+    assert env.size() == 1
+
+
+def test_launcher_from_environment(monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert env.launcher() == "mpirun"
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    assert env.launcher() == "horovodrun"
+
+
+def test_allreduce_of_one_returns_input_types():
+    assert collective.allreduce(3) == 3 and isinstance(collective.allreduce(3), int)
+    assert collective.allreduce(2.5) == 2.5
+    assert collective.allreduce({"a": 1, "b": 0.5}) == {"a": 1, "b": 0.5}
+
+
+@pytest.mark.parametrize("bad", ["x", None, True, [1], {"k": "v"}])
+def test_allreduce_rejects_non_numbers(bad):
+    with pytest.raises(TypeError, match="numbers"):
+        collective.allreduce(bad)
+
+
+def test_object_collectives_of_one():
+    assert collective.broadcast_object({"x": [1, 2]}) == {"x": [1, 2]}
+    assert collective.allgather_object("me") == ["me"]

@@ -1,0 +1,154 @@
+"""Goodput model, fit and optimiser: pure numpy, no Horovod."""
+import numpy as np
+import pytest
+
+from hvd_adapt.goodput import (AutoscaleConfig, GoodputFunction, GradParams, PerfParams,
+                               fit_loss, fit_perf_params)
+from hvd_adapt.metrics import StepProfile
+
+
+def random_functions(seed, count=25):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        perf = PerfParams(*rng.uniform(1e-3, 0.2, 6), rng.uniform(1, 10))
+        grad = GradParams(sqr=rng.uniform(1e-3, 10), var=rng.uniform(1e-3, 10))
+        yield GoodputFunction(perf, grad, init_batch_size=int(rng.integers(16, 256)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_invariants_on_random_parameters(seed):
+    replicas = np.arange(1, 65)
+    nodes = np.ceil(replicas / 4)
+    for fn in random_functions(seed):
+        for b in (1, 16, 128):
+            for s in (0, 3):
+                tput = fn.throughput(nodes, replicas, b, s)
+                assert np.all(tput >= 0)
+                per_replica = tput / replicas
+                # Beyond the first node, adding replicas never helps each replica.
+                assert np.all(np.diff(per_replica[4:]) <= 1e-9 * per_replica[4:-1])
+        batch = np.geomspace(fn.init_batch_size, 100 * fn.init_batch_size, 200)
+        eff = fn.efficiency(batch)
+        assert np.all((eff > 0) & (eff <= 1 + 1e-12))
+        assert np.all(np.diff(eff) <= 1e-12)
+        assert fn.efficiency(fn.init_batch_size) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("accumulation", [False, True])
+def test_optimize_respects_bounds(accumulation):
+    for fn in random_functions(7):
+        max_batch = 8 * fn.init_batch_size
+        lo, hi = 4, 64
+        for replicas in (1, 2, 5, 16):
+            nodes = max(1, replicas // 4)
+            goodput, b, s = fn.optimize(nodes, replicas, max_batch, (lo, hi), accumulation)
+            if goodput == 0:
+                continue
+            assert lo <= b <= hi
+            assert replicas * b * (s + 1) <= max_batch
+            assert accumulation or s == 0
+            assert goodput == pytest.approx(fn.evaluate(nodes, replicas, b, s))
+
+
+def test_optimize_finds_the_best_of_a_brute_force_search():
+    fn = GoodputFunction(PerfParams(0.05, 0.002, 0.3, 0.02, 0.1, 0.01, 2.0), GradParams(1.0, 0.5), 32)
+    goodput, b, s = fn.optimize(2, 8, 4096, (8, 256), accumulation=True)
+    best = max(fn.evaluate(2, 8, bb, ss) for bb in range(8, 257) for ss in range(0, 4)
+               if 8 * bb * (ss + 1) <= 4096 and 8 * bb * (ss + 1) >= 32)
+    assert goodput >= 0.98 * best
+
+
+def test_optimize_vectorised_and_for_worlds_not_yet_had():
+    fn = next(random_functions(3))
+    replicas = np.array([1, 2, 4, 8, 1024])
+    goodput, b, s = fn.optimize(np.ones(5), replicas, 1 << 20, (1, 512))
+    assert goodput.shape == b.shape == s.shape == (5,)
+    single = fn.optimize(1, 1024, 1 << 20, (1, 512))
+    assert single == (pytest.approx(goodput[-1]), b[-1], s[-1])
+
+
+def test_optimize_when_nothing_fits_returns_zero():
+    fn = next(random_functions(1))
+    goodput, b, s = fn.optimize(1, 4, max_batch_size=fn.init_batch_size, atomic_bsz_range=(1000, 2000))
+    assert goodput == 0 and b == 1000 and s == 0
+
+
+def test_optimize_rejects_impossible_worlds():
+    fn = next(random_functions(2))
+    with pytest.raises(ValueError, match="num_nodes=3, num_replicas=2"):
+        fn.optimize(3, 2)
+
+
+def synthetic_profile(params, seed, noise=0.02):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for nodes, replicas in [(1, 1), (1, 2), (1, 4), (2, 8), (4, 16)]:
+        for b in (8, 32, 128):
+            fn = GoodputFunction(params, GradParams(1, 1), 8)
+            accum = fn.step_time(nodes, replicas, b, 1) - fn.step_time(nodes, replicas, b, 0)
+            optim = fn.step_time(nodes, replicas, b, 0)
+            rows.append((nodes, replicas, b, accum * rng.lognormal(0, noise),
+                         optim * rng.lognormal(0, noise)))
+    return [np.array(col, dtype=float) for col in zip(*rows)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_recovers_known_parameters(seed):
+    true = PerfParams(0.02, 0.004, 0.15, 0.01, 0.05, 0.004, 2.0)
+    data = synthetic_profile(true, seed)
+    fitted = fit_perf_params(*data)
+    assert 1.0 <= fitted.gamma <= 10.0
+    assert fit_loss(fitted, *data) <= 1.1 * fit_loss(true, *data)
+    truth_fn = GoodputFunction(true, GradParams(1, 1), 8)
+    fitted_fn = GoodputFunction(fitted, GradParams(1, 1), 8)
+    nodes, replicas, bsz = data[0], data[1], data[2]
+    for s in (0, 2):
+        predicted = fitted_fn.step_time(nodes, replicas, bsz, s)
+        actual = truth_fn.step_time(nodes, replicas, bsz, s)
+        assert np.all(np.abs(predicted / actual - 1) < 0.10)
+
+
+def test_fit_pins_what_the_data_cannot_identify():
+    # One node, at most two replicas, one batch size.
+    fitted = fit_perf_params([1, 1], [1, 2], [32, 32], [0.1, 0.1], [0.12, 0.2])
+    assert fitted.alpha_c == pytest.approx(0.05)
+    assert fitted.beta_r == pytest.approx(1e-8)
+    # Prior: crossing nodes costs at least as much as staying on one.
+    assert fitted.alpha_n >= 1.1 * fitted.alpha_r - 1e-12
+    assert fitted.beta_n >= 1.1 * fitted.beta_r - 1e-12
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty"):
+        fit_perf_params([], [], [], [], [])
+    with pytest.raises(ValueError, match="> 0"):
+        fit_perf_params([1], [1], [8], [0.0], [0.1])
+
+
+def test_autoscale_hysteresis_keeps_a_close_choice():
+    config = AutoscaleConfig.create(16, 512, (4, 128), gradient_accumulation=False)
+    profile = StepProfile()
+    for b in (16, 64):
+        for _ in range(3):
+            profile.record(1, 2, b, 0.01 + 0.001 * b, optim=True)
+            profile.record_sync(1, 2, b, 0.005)
+    grad = GradParams(sqr=1.0, var=2.0)
+    best = config.choose(profile, grad, 1, 2, current=(8, 0), forced=True)
+    assert best != (8, 0)
+    assert config.choose(profile, grad, 1, 2, current=best, forced=False) == best
+    # Without gradient statistics nothing is measured yet: the default.
+    assert config.choose(profile, None, 1, 2, current=best, forced=False) == config.default(2)
+
+
+def test_profile_estimates_accumulation_time_from_sync_time():
+    profile = StepProfile()
+    profile.record(1, 2, 8, 0.3, optim=True)
+    profile.record_sync(1, 2, 8, 0.1)
+    arrays = profile.arrays()
+    assert arrays["accum_step_time"][0] == pytest.approx(0.2)
+    profile.record(1, 2, 8, 0.25, optim=False)
+    assert profile.arrays()["accum_step_time"][0] == pytest.approx(0.25)
+    assert profile.throughput(1, 2, 8, 1) == pytest.approx(2 * 8 * 2 / 0.55)
+    copy = StepProfile()
+    copy.load_state_dict(profile.state_dict())
+    assert copy.arrays()["optim_step_time"] == pytest.approx(arrays["optim_step_time"])

@@ -1,0 +1,205 @@
+"""hvd_adapt.State in one process: commit/restore, epochs, checkpoints, the drain."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import hvd_adapt
+from hvd_adapt import Accumulator, AdaptiveDataLoader, CheckpointError, DistributedOptimizer, State
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _init():
+    hvd_adapt.init()
+
+
+def make_job(samples=20, batch_size=4, accumulate=False):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(samples, 3), torch.randn(samples, 1))
+    model = torch.nn.Linear(3, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loader = AdaptiveDataLoader(data, batch_size=batch_size, shuffle=True)
+    if accumulate:
+        loader.autoscale_batch_size(4 * batch_size, local_bsz_bounds=(1, batch_size // 2),
+                                    gradient_accumulation=True)
+    stats = Accumulator()
+    state = State(model=model, optimizer=opt, loader=loader, stats=stats, best=0.0)
+    return state, model, opt, loader, stats
+
+
+def train_steps(state, model, opt, loader, stats, steps):
+    it = iter(loader)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        stats["n"] += len(x)
+        state.commit()
+
+
+def test_restore_returns_to_last_commit():
+    state, model, opt, loader, stats = make_job()
+    train_steps(state, model, opt, loader, stats, 2)
+    weights = model.weight.detach().clone()
+    position = loader.sampler.position
+    with stats.synchronized():
+        committed = dict(stats)
+    state.best = 0.5
+    train_steps_without_commit = iter(loader)
+    x, y = next(train_steps_without_commit)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    stats["n"] += 100
+    state.restore()
+    assert torch.equal(model.weight, weights)
+    assert loader.sampler.position == position
+    assert state.best == 0.0
+    with stats.synchronized():
+        assert dict(stats) == committed == {"n": 8}
+
+
+def test_commit_mid_accumulation_is_deferred():
+    state, model, opt, loader, stats = make_job(accumulate=True)
+    assert loader.accumulation_steps == 1
+    it = iter(loader)
+    x, y = next(it)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert not loader.is_optim_step()
+    state.commit()
+    state.restore()
+    assert loader.sampler.position == 0, "a commit mid-cycle must not save"
+    it = iter(loader)
+    for _ in range(2):
+        x, y = next(it)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert loader.is_optim_step()
+    state.commit()
+    state.restore()
+    assert loader.sampler.position == 4
+
+
+def test_epoch_loop_resumes_in_the_committed_epoch():
+    state, model, opt, loader, stats = make_job()
+    epochs = []
+    for epoch in hvd_adapt.remaining_epochs_until(3):
+        epochs.append((epoch, hvd_adapt.current_epoch()))
+        for _ in loader:
+            pass
+        state.commit()
+        if epoch == 1:
+            break
+    assert epochs == [(0, 0), (1, 1)]
+    assert [e for e in hvd_adapt.remaining_epochs_until(3)] == [1, 2]
+    assert state.epoch == 3 and hvd_adapt.current_epoch() is None
+
+
+def test_remaining_epochs_until_rejects_bad_values():
+    make_job()
+    with pytest.raises(ValueError, match="got -1"):
+        next(hvd_adapt.remaining_epochs_until(-1))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    path = str(tmp_path / "ckpt" / "job.pt")
+    state, model, opt, loader, stats = make_job()
+    train_steps(state, model, opt, loader, stats, 3)
+    state.best = 0.75
+    state.commit()
+    state.save_checkpoint(path)
+    assert os.listdir(tmp_path / "ckpt") == ["job.pt"], "no temporary file may be left behind"
+
+    fresh, model2, opt2, loader2, stats2 = make_job()
+    assert fresh.load_checkpoint(path)
+    assert torch.equal(model2.weight, model.weight)
+    assert loader2.sampler.position == loader.sampler.position == 12
+    assert fresh.best == 0.75
+    assert opt2.state_dict()["optimizer"]["state"].keys() == opt.state_dict()["optimizer"]["state"].keys()
+    with stats2.synchronized():
+        assert dict(stats2) == {"n": 12}
+    fresh.restore()
+    assert loader2.sampler.position == 12, "a loaded checkpoint is the committed state"
+
+
+def test_missing_checkpoint_is_a_fresh_start(tmp_path):
+    state = make_job()[0]
+    assert state.load_checkpoint(str(tmp_path / "none.pt")) is False
+
+
+def test_corrupt_checkpoint_names_the_file(tmp_path):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match=str(path)):
+        make_job()[0].load_checkpoint(str(path))
+
+
+def test_truncated_checkpoint_names_the_file(tmp_path):
+    path = str(tmp_path / "job.pt")
+    state = make_job()[0]
+    state.save_checkpoint(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        make_job()[0].load_checkpoint(path)
+
+
+def test_mismatched_checkpoint_names_what_differs(tmp_path):
+    path = str(tmp_path / "job.pt")
+    make_job()[0].save_checkpoint(path)
+    other = State(model=torch.nn.Linear(3, 1), extra=1)
+    with pytest.raises(CheckpointError, match=r"missing \['extra'\]"):
+        other.load_checkpoint(path)
+    wrong_shape, *_ = make_job()
+    wrong_shape.model = torch.nn.Linear(5, 1)
+    with pytest.raises(CheckpointError, match="cannot load 'model'"):
+        wrong_shape.load_checkpoint(path)
+
+
+DRAIN_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    import hvd_adapt
+    from torch.utils.data import TensorDataset
+    hvd_adapt.init()
+    model = torch.nn.Linear(2, 1)
+    loader = hvd_adapt.AdaptiveDataLoader(TensorDataset(torch.randn(40, 2)), batch_size=4)
+    state = hvd_adapt.State(model=model, loader=loader, steps=0)
+    hvd_adapt.install_sigterm_drain(state, checkpoint_path=sys.argv[1])
+    state.load_checkpoint(sys.argv[1])
+    print("start", state.steps, flush=True)
+
+    @hvd_adapt.run
+    def train(state):
+        for epoch in hvd_adapt.remaining_epochs_until(2):
+            for (x,) in loader:
+                state.steps += 1
+                if state.steps == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                state.commit()
+        print("finished", state.steps, flush=True)
+
+    train(state)
+""")
+
+
+def test_sigterm_drains_checkpoints_and_resumes(tmp_path):
+    script = tmp_path / "drain.py"
+    script.write_text(DRAIN_SCRIPT)
+    ckpt = str(tmp_path / "job.pt")
+    first = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 143, first.stderr
+    assert "start 0" in first.stdout and "SIGTERM received" in first.stderr
+    second = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 0, second.stderr
+    # Stopped after committing step 3 of 20; the rerun trains the other 17.
+    assert "start 3" in second.stdout and "finished 20" in second.stdout
