@@ -12,6 +12,8 @@ import os
 import pickle
 
 import torch
+from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.torch.elastic.state import StateHandler, TorchState
 from horovod.torch.functions import broadcast_optimizer_state
 
@@ -161,6 +163,26 @@ class State(TorchState):
             # Only the elastic driver sends host updates; elsewhere the check
             # would be a broadcast of nothing.
             self.check_host_updates()
+
+    def check_host_updates(self):
+        """Collective: raise ``HostsUpdatedInterrupt`` if the driver reported a host change.
+
+        Horovod stamps host updates in whole seconds and ignores one that
+        shares the second of the update before it, so of two resizes within
+        a second the second was lost. Each update is delivered once and the
+        queue is emptied at every reset, so here an update stamped in the
+        same second as the last one counts as new.
+        """
+        last = self._last_updated_timestamp
+        received, newest, update = False, last, HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, result = self._host_messages.get()
+            if timestamp >= last:
+                received, newest, update = True, max(newest, timestamp), update | result
+        received, newest, update = self._bcast_object((received, newest, update))
+        self._last_updated_timestamp = newest
+        if received:
+            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
     def sync(self):
         super().sync()

@@ -16,7 +16,9 @@ import tempfile
 
 import pytest
 
-from launch import BIN, WORKERS, run_job
+from launch import WORKERS, run_job
+
+FAST_HOROVODRUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hvdrun_fast_discovery.py")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
@@ -38,9 +40,9 @@ def discovery_script(out_dir, schedule):
     return path
 
 
-def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=90):
+def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180):
     out_dir = tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
-    command = [os.path.join(BIN, "horovodrun"), "-np", str(np), "--min-np", str(min_np),
+    command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
                "--max-np", str(max_np), "--network-interface", "lo",
                "--host-discovery-script", discovery_script(out_dir, schedule),
                sys.executable, os.path.join(WORKERS, "elastic_train.py"),

@@ -104,7 +104,7 @@ def main():
                                     "size": hvd.size(), "step": state.step,
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
-                                    "optim": loader.is_optim_step()})
+                                    "optim": loader.is_optim_step(), "time": time.time()})
                 if loader.is_optim_step():
                     state.step += 1
                 state.commit()
