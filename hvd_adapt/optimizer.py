@@ -19,8 +19,17 @@ from .scaling_rules import ScalingRule, default_rule
 
 
 def _sqnorms(groups):
-    return np.array([sum(float(g.pow(2).sum(dtype=torch.float64)) for g in grads) if grads else 0.0
-                     for grads in groups])
+    """Squared L2 norm of each group's tensors together, with one device sync in all."""
+    norms = [torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum()
+             if grads else torch.zeros((), dtype=torch.float64) for grads in groups]
+    return torch.stack(norms).cpu().numpy() if norms else np.zeros(0)
+
+
+def _dots(groups_a, groups_b):
+    """Inner product of two gradients, per group."""
+    dots = [sum((torch.dot(a.reshape(-1), b.reshape(-1)).double() for a, b in zip(ga, gb)),
+                torch.zeros((), dtype=torch.float64)) for ga, gb in zip(groups_a, groups_b)]
+    return torch.stack(dots).cpu().numpy() if dots else np.zeros(0)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -35,11 +44,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``scaling_rule`` (default: AdaScale, AdamScale for Adam-like optimizers)
     for batches above the loader's initial ``batch_size``.
 
+    The noise scale costs a few passes over the gradients per step; it is
+    measured when ``measure_noise`` is True, or (the default, None) when the
+    loader autoscales its batch size, the one use it has there.
+
     >>> opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     >>> loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, optimizer, model=None, scaling_rule=None, smoothing=0.999):
+    def __init__(self, optimizer, model=None, scaling_rule=None, smoothing=0.999,
+                 measure_noise=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -54,6 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.scaling_rule = scaling_rule or default_rule(optimizer)
         self.gns = GradientNoiseScale(len(optimizer.param_groups), smoothing=smoothing)
+        self.measure_noise = measure_noise
         self._loader = None
         self._stash = None
         self._micro_sqr = None
@@ -101,9 +116,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         return self._synchronized_step(closure)
 
+    def _measuring(self):
+        if self._loader is None:
+            return False
+        if self.measure_noise is None:
+            return self._loader._autoscale is not None
+        return self.measure_noise
+
     def _accumulate(self):
-        sqr = _sqnorms(self._grads())
-        self._micro_sqr = sqr if self._micro_sqr is None else self._micro_sqr + sqr
+        if self._measuring():
+            sqr = _sqnorms(self._grads())
+            self._micro_sqr = sqr if self._micro_sqr is None else self._micro_sqr + sqr
         self._micro_count += 1
         params = self._params_with_grad()
         if self._stash is None:
@@ -124,10 +147,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 # Every replica must pass the same tensors to the allreduce.
                 p.grad = torch.zeros_like(p)
-        micro_sqr = _sqnorms(self._grads())
-        if self._micro_sqr is not None:
-            micro_sqr = micro_sqr + self._micro_sqr
+        measuring = self._measuring()
         micro = self._micro_count + 1
+        last_sqr = _sqnorms(self._grads()) if measuring else None
         if self._stash is not None:
             for buf, p in zip(self._stash, params):
                 p.grad.add_(buf)
@@ -135,15 +157,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad.div_(micro)
         size = env.size()
-        local_sqr = micro_sqr / micro
+        local_sqr = None
+        if measuring:
+            micro_sqr = last_sqr if self._micro_sqr is None else last_sqr + self._micro_sqr
+            local_sqr = micro_sqr / micro
         started = time.perf_counter()
         if size > 1:
-            stats = torch.tensor(local_sqr, dtype=torch.float64)
-            hvd.grouped_allreduce_([p.grad for p in params] + [stats], op=hvd.Average)
-            local_sqr = stats.numpy()
+            tensors = [p.grad for p in params]
+            if measuring:
+                stats = torch.tensor(local_sqr, dtype=torch.float64)
+                tensors.append(stats)
+            # A fixed name lets Horovod's response cache skip negotiation.
+            hvd.grouped_allreduce_(tensors, op=hvd.Average, name="hvd_adapt.grads")
+            if measuring:
+                local_sqr = stats.numpy()
         sync_seconds = time.perf_counter() - started
         self._discard_stash()
-        self._update_noise_scale(local_sqr, micro * size, sync_seconds)
+        if self._loader is not None:
+            self._loader.profile.record_sync(env.num_nodes(), size, self._loader.current_local_bsz,
+                                             sync_seconds)
+        if measuring:
+            # With one gradient and no averaging the total is the local norm.
+            total_sqr = last_sqr if micro * size == 1 else _sqnorms(self._grads())
+            self._update_noise_scale(local_sqr, total_sqr, micro * size)
         return self._scaled_step(closure)
 
     def _discard_stash(self):
@@ -151,26 +187,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._micro_sqr = None
         self._micro_count = 0
 
-    def _update_noise_scale(self, local_sqr, num_micro, sync_seconds):
+    def _update_noise_scale(self, local_sqr, total_sqr, num_micro):
         loader = self._loader
-        if loader is None:
-            return
-        local_bsz = loader.current_local_bsz
-        loader.profile.record_sync(env.num_nodes(), env.size(), local_bsz, sync_seconds)
-        grads = [[g.detach() for g in group] for group in self._grads()]
-        total_sqr = _sqnorms(grads)
         if num_micro == 1:
-            # One gradient per step: pair it with the previous step's.
-            previous, self._previous = self._previous, [[g.clone() for g in group] for group in grads]
-            if previous is None or [len(g) for g in previous] != [len(g) for g in grads]:
+            # One gradient per step: pair it with the previous step's, using
+            # |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4.
+            grads = [[g.detach() for g in group] for group in self._grads()]
+            previous = self._previous
+            self._previous = ([[g.clone() for g in group] for group in grads], total_sqr)
+            if previous is None or [len(g) for g in previous[0]] != [len(g) for g in grads]:
                 return
-            local_sqr = (_sqnorms(previous) + total_sqr) / 2
-            total_sqr = _sqnorms([[(a + b) / 2 for a, b in zip(pg, cg)]
-                                  for pg, cg in zip(previous, grads)])
+            previous_grads, previous_sqr = previous
+            local_sqr = (previous_sqr + total_sqr) / 2
+            total_sqr = (previous_sqr + total_sqr + 2 * _dots(previous_grads, grads)) / 4
             num_micro = 2
         else:
             self._previous = None
-        self.gns.update(local_sqr, total_sqr, local_bsz, num_micro, loader.batch_size)
+        self.gns.update(local_sqr, total_sqr, loader.current_local_bsz, num_micro,
+                        loader.batch_size)
 
     def _scaled_step(self, closure):
         loader = self._loader

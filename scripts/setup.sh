@@ -8,6 +8,7 @@
 #
 #   scripts/setup.sh              # venv in .venv
 #   HVD_ADAPT_VENV=/opt/venv scripts/setup.sh
+#   HVD_ADAPT_TORCH_INDEX=<index with CPU torch wheels> scripts/setup.sh
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -99,7 +100,11 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 log "installing torch $TORCH_VERSION and build requirements"
 "${PIP[@]}" --upgrade pip setuptools wheel
-"${PIP[@]}" "torch==$TORCH_VERSION" numpy scipy cloudpickle psutil pyyaml packaging
+# HVD_ADAPT_TORCH_INDEX names an index with CPU builds of torch, for machines
+# without a torch wheel on disk (Docker images), where PyPI's build is CUDA's.
+TORCH_INDEX=()
+[ -n "${HVD_ADAPT_TORCH_INDEX:-}" ] && TORCH_INDEX=(--extra-index-url "$HVD_ADAPT_TORCH_INDEX")
+"${PIP[@]}" "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" numpy scipy cloudpickle psutil pyyaml packaging
 INSTALLED_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 case "$INSTALLED_TORCH" in
     "$TORCH_VERSION"*) ;;

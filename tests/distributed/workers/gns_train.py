@@ -25,7 +25,7 @@ def main():
     gen = torch.Generator().manual_seed(1)
     x = MU + SIGMA * torch.randn(args.samples, DIM, generator=gen)
     w = torch.nn.Parameter(torch.zeros(DIM))
-    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0))
+    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0), measure_noise=True)
     loader = hvd_adapt.AdaptiveDataLoader(TensorDataset(x), batch_size=16, shuffle=True)
     if args.accumulate:
         # Bounds force 4 micro-batches of 4 per replica-step.

@@ -1,0 +1,147 @@
+"""Per-step cost of the hvd_adapt loop against a plain Horovod loop, 1 and 2 processes.
+
+Both loops train the same MLP on the same in-memory data at the same fixed
+batch size; the plain one uses torch's DataLoader with a DistributedSampler
+and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
+hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()``. Each
+process runs the two loops in alternating rounds and reports median step
+times after warm-up.
+
+    python benchmarks/overhead.py [--steps 300] [--commit-every 10]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+def worker(args):
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    import hvd_adapt
+
+    torch.set_num_threads(1)
+    hvd_adapt.init()
+    size = hvd.size()
+    local_bsz = args.batch_size // size
+    gen = torch.Generator().manual_seed(0)
+    samples = local_bsz * size * (args.steps + args.warmup + 5)
+    data = TensorDataset(torch.randn(samples, 256, generator=gen),
+                         torch.randint(0, 10, (samples,), generator=gen))
+
+    def model_and_sgd():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 10))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def plain(steps):
+        model, sgd = model_and_sgd()
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        loader = DataLoader(data, batch_size=local_bsz,
+                            sampler=DistributedSampler(data, size, hvd.rank(), shuffle=True))
+        times, last = [], None
+        for i, (x, y) in enumerate(loader):
+            if i == steps:
+                break
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+        return times
+
+    def adaptive(steps):
+        model, sgd = model_and_sgd()
+        opt = hvd_adapt.DistributedOptimizer(sgd)
+        loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=args.batch_size, shuffle=True)
+        stats = hvd_adapt.Accumulator()
+        state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats)
+        state.sync()
+        times, last = [], None
+        for i, (x, y) in enumerate(loader):
+            if i == steps:
+                break
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            stats["loss"] += loss.item()
+            if i % args.commit_every == 0:
+                state.commit()
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+        return times
+
+    results = {"plain": [], "hvd_adapt": []}
+    per_round = (args.steps + args.warmup) // args.rounds
+    for _ in range(args.rounds):
+        for name, loop in (("plain", plain), ("hvd_adapt", adaptive)):
+            results[name] += loop(per_round)[args.warmup // args.rounds:]
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({k: float(np.median(v)) for k, v in results.items()} |
+                      {"steps": len(results["plain"])}, f)
+
+
+def launch(np_, args):
+    out = tempfile.mktemp(suffix=".json")
+    script = [HERE, "--worker", "--out", out, "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+              "--commit-every", str(args.commit_every)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    if np_ == 1:
+        command = [sys.executable] + script
+    else:
+        command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(np_),
+                   "-H", f"localhost:{np_}", "--gloo", "--network-interface", "lo",
+                   sys.executable] + script
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per loop")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--procs", default="1,2")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    print(f"{'procs':>5} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} {'steps':>6}")
+    worst = 0.0
+    for np_ in [int(p) for p in args.procs.split(",")]:
+        r = launch(np_, args)
+        ratio = r["hvd_adapt"] / r["plain"]
+        worst = max(worst, ratio)
+        print(f"{np_:>5} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} {ratio:>6.3f} "
+              f"{r['steps']:>6}", flush=True)
+    print(f"overhead_ratio={worst:.3f} (goal <= 1.03)")
+    return worst
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Handwritten digits with adaptive batch sizes: the main hvd_adapt example.
+
+A small MLP on scikit-learn's bundled 8x8 digits (no download). The loader
+starts at a global batch of 32 and lets hvd_adapt grow it for goodput up to
+512; validation metrics are summed over replicas with an Accumulator; a
+checkpoint is written every epoch, so a job killed outright resumes where it
+stopped.
+
+    python examples/digits/train.py                        # one process
+    horovodrun -np 2 -H localhost:2 python examples/digits/train.py
+    horovodrun -np 2 --min-np 1 --max-np 3 --network-interface lo \\
+        --host-discovery-script examples/elastic/discover.sh \\
+        python examples/digits/train.py                    # elastic
+"""
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
+
+import hvd_adapt
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32, help="initial global batch size")
+    parser.add_argument("--max-batch-size", type=int, default=512)
+    parser.add_argument("--max-local-bsz", type=int, default=128,
+                        help="largest batch one replica may load at once (memory bound)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--no-autoscale", action="store_true", help="keep the batch size fixed")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint file (resumed if present)")
+    parser.add_argument("--tensorboard", default=None, help="TensorBoard log directory")
+    parser.add_argument("--target-accuracy", type=float, default=None,
+                        help="stop once validation accuracy reaches this")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def digits_datasets(seed=0):
+    """80/20 split of the 1797 digits, standardised with training statistics."""
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order].astype(np.float32), y[order]
+    split = int(0.8 * len(x))
+    mean, std = x[:split].mean(0), x[:split].std(0) + 1e-6
+    x = (x - mean) / std
+    to_set = lambda a, b: TensorDataset(torch.from_numpy(a), torch.from_numpy(b).long())  # noqa: E731
+    return to_set(x[:split], y[:split]), to_set(x[split:], y[split:])
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd_adapt.init()
+    rank = hvd_adapt.env.rank()
+    torch.manual_seed(0)
+    train_set, val_set = digits_datasets()
+
+    model = make_model()
+    opt = hvd_adapt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    train_loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    if not args.no_autoscale:
+        train_loader.autoscale_batch_size(args.max_batch_size,
+                                          local_bsz_bounds=(8, args.max_local_bsz),
+                                          gradient_accumulation=True)
+    val_loader = hvd_adapt.AdaptiveDataLoader(val_set, batch_size=256)
+    stats = hvd_adapt.Accumulator()
+    state = hvd_adapt.State(model=model, optimizer=opt, loader=train_loader,
+                            val_loader=val_loader, stats=stats, best_accuracy=0.0)
+    if args.checkpoint:
+        hvd_adapt.install_sigterm_drain(state, checkpoint_path=args.checkpoint)
+        if state.load_checkpoint(args.checkpoint):
+            print(f"resumed from {args.checkpoint} at epoch {state.epoch}", flush=True)
+
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(args.tensorboard)
+
+    @hvd_adapt.run
+    def train(state):
+        for epoch in hvd_adapt.remaining_epochs_until(args.epochs):
+            model.train()
+            started = time.time()
+            batches = train_loader
+            if rank == 0 and not args.quiet:
+                from tqdm import tqdm
+                batches = tqdm(train_loader, desc=f"epoch {epoch}", leave=False)
+            for x, y in batches:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                real = len(y) - train_loader.num_padded
+                stats["train_loss"] += loss.item() * real
+                stats["train_n"] += real
+                state.commit()
+
+            model.eval()
+            with torch.no_grad():
+                for x, y in val_loader:
+                    real = len(y) - val_loader.num_padded
+                    logits = model(x)[:real]
+                    stats["val_loss"] += F.cross_entropy(logits, y[:real], reduction="sum").item()
+                    stats["val_correct"] += int((logits.argmax(1) == y[:real]).sum())
+                    stats["val_n"] += real
+            with stats.synchronized():
+                accuracy = stats["val_correct"] / stats["val_n"]
+                state.best_accuracy = max(state.best_accuracy, accuracy)
+                if rank == 0:
+                    print(f"epoch {epoch:3d}  train_loss {stats['train_loss'] / stats['train_n']:.4f}"
+                          f"  val_loss {stats['val_loss'] / stats['val_n']:.4f}"
+                          f"  val_acc {accuracy:.4f}  {train_loader.progress_line()}"
+                          f"  {time.time() - started:.1f}s", flush=True)
+                if writer is not None:
+                    writer.add_scalar("val/accuracy", accuracy, epoch)
+                    writer.add_scalar("val/loss", stats["val_loss"] / stats["val_n"], epoch)
+                    train_loader.to_tensorboard(writer, epoch)
+                stats.clear()
+            if args.checkpoint:
+                state.commit()
+                state.save_checkpoint(args.checkpoint)
+            if args.target_accuracy is not None and accuracy >= args.target_accuracy:
+                return epoch + 1
+        return args.epochs
+
+    epochs_run = train(state)
+    if rank == 0:
+        print(f"final validation accuracy {state.best_accuracy:.4f} (best over {epochs_run} epochs, "
+              f"{hvd_adapt.env.size()} replicas)", flush=True)
+    if writer is not None:
+        writer.close()
+    return state.best_accuracy
+
+
+if __name__ == "__main__":
+    main()
