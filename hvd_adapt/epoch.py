@@ -28,19 +28,14 @@ class EpochCounter:
         self.epoch = state["epoch"]
 
 
-def _counter():
-    state = _context.get_state()
-    if state is None:
-        raise RuntimeError("remaining_epochs_until needs an hvd_adapt.State: create one before the loop")
-    return state.epochs
-
-
-def remaining_epochs_until(epoch):
+def remaining_epochs_until(epoch, checkpoint=None):
     """Yield the epochs from the current one up to ``epoch - 1``.
 
     The current epoch is taken from the state, so a job that restarts in
-    epoch 7 of 30 yields 7..29. The counter moves on only when the body of an
-    epoch has finished, and like everything else it is kept once committed.
+    epoch 7 of 30 yields 7..29. Between two epochs the loop commits the
+    state with the counter already moved on (a collective, and a point where
+    resizes take effect), and writes it to ``checkpoint`` if given, so a
+    restart never repeats a finished epoch.
 
     >>> for epoch in remaining_epochs_until(3):
     ...     print(epoch)
@@ -50,13 +45,19 @@ def remaining_epochs_until(epoch):
     """
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"remaining_epochs_until expects an int >= 0, got {epoch!r}")
-    counter = _counter()
+    state = _context.get_state()
+    if state is None:
+        raise RuntimeError("remaining_epochs_until needs an hvd_adapt.State: create one before the loop")
+    counter = state.epochs
     # Not reset in a finally: a loop left by a resize interrupt is entered
     # again right away by the re-run training function.
     counter.in_loop = True
     while counter.epoch < epoch:
         yield counter.epoch
         counter.epoch += 1
+        state.commit()
+        if checkpoint is not None:
+            state.save_checkpoint(checkpoint)
     counter.in_loop = False
 
 

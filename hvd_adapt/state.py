@@ -3,8 +3,8 @@
 It is a ``horovod.torch.elastic.TorchState`` (so models, torch optimizers
 and plain attributes work as in Horovod) with handlers for hvd_adapt's own
 objects: loaders and samplers (data position, step profile, batch-size
-choice), accumulators, the distributed optimizer (with its noise scale) and
-the epoch counter. Handlers follow Horovod's StateHandler registry: a type,
+choice), accumulators, the distributed optimizer (with its noise scale), the
+epoch counter, and torch learning-rate schedulers. Handlers follow Horovod's StateHandler registry: a type,
 and a class that saves, restores and syncs values of that type.
 """
 import copy
@@ -69,6 +69,7 @@ _registry = [
     (Accumulator, AccumulatorHandler),
     (DistributedOptimizer, OptimizerHandler),
     (EpochCounter, StateDictHandler),
+    (torch.optim.lr_scheduler.LRScheduler, StateDictHandler),
 ]
 
 

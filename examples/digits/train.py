@@ -3,8 +3,8 @@
 A small MLP on scikit-learn's bundled 8x8 digits (no download). The loader
 starts at a global batch of 32 and lets hvd_adapt grow it for goodput up to
 512; validation metrics are summed over replicas with an Accumulator; a
-checkpoint is written every epoch, so a job killed outright resumes where it
-stopped.
+checkpoint is written between epochs (and on SIGTERM), so a job killed
+outright resumes where it stopped.
 
     python examples/digits/train.py                        # one process
     horovodrun -np 2 -H localhost:2 python examples/digits/train.py
@@ -91,7 +91,7 @@ def main(argv=None):
 
     @hvd_adapt.run
     def train(state):
-        for epoch in hvd_adapt.remaining_epochs_until(args.epochs):
+        for epoch in hvd_adapt.remaining_epochs_until(args.epochs, checkpoint=args.checkpoint):
             model.train()
             started = time.time()
             batches = train_loader
@@ -129,9 +129,6 @@ def main(argv=None):
                     writer.add_scalar("val/loss", stats["val_loss"] / stats["val_n"], epoch)
                     train_loader.to_tensorboard(writer, epoch)
                 stats.clear()
-            if args.checkpoint:
-                state.commit()
-                state.save_checkpoint(args.checkpoint)
             if args.target_accuracy is not None and accuracy >= args.target_accuracy:
                 return epoch + 1
         return args.epochs
@@ -142,7 +139,7 @@ def main(argv=None):
               f"{hvd_adapt.env.size()} replicas)", flush=True)
     if writer is not None:
         writer.close()
-    return state.best_accuracy
+    return state.best_accuracy, epochs_run
 
 
 if __name__ == "__main__":
