@@ -46,24 +46,34 @@ def worker(args):
                                     torch.nn.Linear(512, 10))
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+    def timed(batches, steps, step):
+        """Seconds between consecutive ends of ``step(i, x, y)``, for ``steps`` batches."""
+        times, last = [], None
+        for i, (x, y) in enumerate(batches):
+            if i == steps:
+                break
+            step(i, x, y)
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+        return times
+
     def plain(steps):
         model, sgd = model_and_sgd()
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         loader = DataLoader(data, batch_size=local_bsz,
                             sampler=DistributedSampler(data, size, hvd.rank(), shuffle=True))
-        times, last = [], None
-        for i, (x, y) in enumerate(loader):
-            if i == steps:
-                break
+        total = [0.0]
+
+        def step(i, x, y):
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             opt.step()
-            now = time.perf_counter()
-            if last is not None:
-                times.append(now - last)
-            last = now
-        return times
+            total[0] += loss.item()
+        return timed(loader, steps, step)
 
     def adaptive(steps):
         model, sgd = model_and_sgd()
@@ -72,10 +82,8 @@ def worker(args):
         stats = hvd_adapt.Accumulator()
         state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats)
         state.sync()
-        times, last = [], None
-        for i, (x, y) in enumerate(loader):
-            if i == steps:
-                break
+
+        def step(i, x, y):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -83,11 +91,7 @@ def worker(args):
             stats["loss"] += loss.item()
             if i % args.commit_every == 0:
                 state.commit()
-            now = time.perf_counter()
-            if last is not None:
-                times.append(now - last)
-            last = now
-        return times
+        return timed(loader, steps, step)
 
     results = {"plain": [], "hvd_adapt": []}
     per_round = (args.steps + args.warmup) // args.rounds

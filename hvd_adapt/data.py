@@ -51,6 +51,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.epoch = 0
+        self.pass_index = 0
         self.position = 0
 
     def set_epoch(self, epoch):
@@ -58,13 +59,28 @@ class ElasticSampler(torch.utils.data.Sampler):
         _check_int("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch = epoch
+            self.pass_index = 0
             self.position = 0
+
+    def next_pass(self):
+        """Start another pass over the data within the same epoch, in a new order.
+
+        Used when epochs are measured in training progress rather than in
+        passes (see ``AdaptiveDataLoader.autoscale_batch_size``).
+        """
+        self.pass_index += 1
+        self.position = 0
+
+    def finish_pass(self):
+        """Mark the rest of this pass as consumed (the epoch ended early)."""
+        self.position = self.num_samples
 
     def permutation(self):
         """The order in which this epoch visits the dataset, the same on every replica."""
         if not self.shuffle:
             return np.arange(self.num_samples)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+        return np.random.default_rng([self.seed, self.epoch, self.pass_index]).permutation(
+            self.num_samples)
 
     @property
     def remaining(self):
@@ -120,14 +136,15 @@ class ElasticSampler(torch.utils.data.Sampler):
         return math.ceil(self.remaining / env.size())
 
     def state_dict(self):
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "num_samples": self.num_samples}
+        return {"epoch": self.epoch, "pass_index": self.pass_index, "position": self.position,
+                "seed": self.seed, "shuffle": self.shuffle, "num_samples": self.num_samples}
 
     def load_state_dict(self, state):
         if state["num_samples"] != self.num_samples:
             raise ValueError(f"sampler state is for a dataset of {state['num_samples']} samples, "
                              f"this one has {self.num_samples}")
         self.epoch, self.position = state["epoch"], state["position"]
+        self.pass_index = state["pass_index"]
         self.seed, self.shuffle = state["seed"], state["shuffle"]
 
 
@@ -177,6 +194,8 @@ class AdaptiveDataLoader:
         self._micro = 0
         self._optimizer = None
         self._needs_decision = True
+        self._epochs_by_progress = False
+        self._epoch_progress_start = 0.0
 
     # -- what the current choice is ------------------------------------------------
     def _default_choice(self, num_replicas):
@@ -217,7 +236,8 @@ class AdaptiveDataLoader:
 
     # -- autoscaling -----------------------------------------------------------------
     def autoscale_batch_size(self, max_batch_size, local_bsz_bounds=None,
-                             gradient_accumulation=False, decide_every=50):
+                             gradient_accumulation=False, decide_every=50,
+                             epochs_by_progress=False):
         """Let hvd_adapt choose the batch size for goodput, up to ``max_batch_size``.
 
         ``local_bsz_bounds=(lo, hi)`` bounds the per-replica atomic batch; a
@@ -227,11 +247,22 @@ class AdaptiveDataLoader:
         batches per optimizer step. The choice is made on rank 0 and
         broadcast, at the start of every pass, after every resize and every
         ``decide_every`` optimizer steps.
+
+        With ``epochs_by_progress`` an epoch lasts as much training progress
+        as one pass at the initial batch size: len(dataset) / batch_size
+        steps at B0, where a step at a larger batch counts its AdaScale gain
+        (Pollux's rule). An epoch then ends mid-pass, or goes on into further
+        passes over the data (each its own shuffle, each sample once per
+        pass), until the progress is made. Without it (the default) an epoch
+        is one pass and every sample is seen exactly once per epoch.
         """
         from .goodput import AutoscaleConfig
         self._autoscale = AutoscaleConfig.create(self.batch_size, max_batch_size,
                                                  local_bsz_bounds, gradient_accumulation,
                                                  decide_every)
+        if not isinstance(epochs_by_progress, bool):
+            raise ValueError(f"epochs_by_progress must be True or False, got {epochs_by_progress!r}")
+        self._epochs_by_progress = epochs_by_progress
         self._needs_decision = True
 
     def _decide(self):
@@ -265,7 +296,18 @@ class AdaptiveDataLoader:
         return self.sampler.epoch + 1 if self.sampler.remaining == 0 else self.sampler.epoch
 
     def _start_pass(self):
-        self.sampler.set_epoch(self._next_pass_epoch())
+        epoch = self._next_pass_epoch()
+        if epoch != self.sampler.epoch:
+            self._epoch_progress_start = self._progress()
+        self.sampler.set_epoch(epoch)
+
+    def _progress(self):
+        return self._optimizer.gns.progress if self._optimizer is not None else 0.0
+
+    def _epoch_progress_made(self):
+        """With epochs_by_progress: has this epoch made one B0-pass of progress?"""
+        needed = self.sampler.num_samples / self.batch_size
+        return self._progress() - self._epoch_progress_start >= needed - 1e-9
 
     def _torch_loader(self, plan):
         generator = torch.Generator()
@@ -275,8 +317,20 @@ class AdaptiveDataLoader:
                           **self._kwargs)
 
     def __iter__(self):
+        by_progress = self._epochs_by_progress and self._autoscale is not None
+        if by_progress and self._optimizer is None:
+            raise RuntimeError("epochs_by_progress needs an hvd_adapt.DistributedOptimizer "
+                               "in the same hvd_adapt.State as this loader")
         self._start_pass()
         self._micro = 0
+        while True:
+            yield from self._iterate_pass(by_progress)
+            if not by_progress or self._epoch_progress_made():
+                break
+            self.sampler.next_pass()
+        self.num_padded = 0
+
+    def _iterate_pass(self, by_progress):
         while self.sampler.remaining > 0:
             if self._needs_decision:
                 self._decide()
@@ -297,7 +351,12 @@ class AdaptiveDataLoader:
                 self.sampler.advance(world_count)
                 last = (now, self.is_optim_step())
                 yield batch
-                if not self.is_optim_step() or final:
+                if not self.is_optim_step():
+                    continue
+                if by_progress and self._epoch_progress_made():
+                    self.sampler.finish_pass()
+                    return
+                if final:
                     continue
                 optim_steps += 1
                 if self._autoscale is not None and optim_steps % self._autoscale.decide_every == 0:
@@ -309,7 +368,6 @@ class AdaptiveDataLoader:
                         break
                     # Deciding is not part of the step the profile times.
                     last = (last[0] + time.perf_counter() - started, last[1])
-        self.num_padded = 0
 
     def __len__(self):
         """Batches this replica gets from here to the end of the pass that iterating would make."""
@@ -321,12 +379,13 @@ class AdaptiveDataLoader:
     # -- elastic state ---------------------------------------------------------------
     def state_dict(self):
         return {"sampler": self.sampler.state_dict(), "profile": self.profile.state_dict(),
-                "choice": self._choice}
+                "choice": self._choice, "epoch_progress_start": self._epoch_progress_start}
 
     def load_state_dict(self, state):
         self.sampler.load_state_dict(state["sampler"])
         self.profile.load_state_dict(state["profile"])
         self._choice = state["choice"]
+        self._epoch_progress_start = state["epoch_progress_start"]
         self._micro = 0
         self._needs_decision = True
 

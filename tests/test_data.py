@@ -1,5 +1,6 @@
 """ElasticSampler and AdaptiveDataLoader in one process."""
 import collections
+import math
 
 import numpy as np
 import pytest
@@ -201,3 +202,57 @@ def test_progress_line_mentions_batch_sizes():
     loader = AdaptiveDataLoader(Indices(10), batch_size=4)
     line = loader.progress_line()
     assert "bsz=4" in line and "local_bsz=4" in line and "accum=0" in line
+
+
+def progress_job(features, epochs, batch_size=8, samples=64):
+    """A job whose gradients are the features: constant features give noise-free gradients."""
+    from torch.utils.data import TensorDataset
+    w = torch.nn.Parameter(torch.zeros(features.shape[1]))
+    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0))
+    data = TensorDataset(features, torch.arange(samples))
+    loader = AdaptiveDataLoader(data, batch_size=batch_size, shuffle=True)
+    # lo = 16 forces B = 16 = 2 x B0 from the first step.
+    loader.autoscale_batch_size(64, local_bsz_bounds=(16, 16), epochs_by_progress=True)
+    state = hvd_adapt.State(optimizer=opt, loader=loader)
+    seen = []
+    for epoch in hvd_adapt.remaining_epochs_until(epochs):
+        seen.append([])
+        for x, idx in loader:
+            opt.zero_grad()
+            (x @ w).mean().backward()
+            opt.step()
+            seen[-1].append(idx.tolist())
+            state.commit()
+    return seen, opt, loader
+
+
+def test_epochs_by_progress_run_longer_when_large_batches_gain_little():
+    # Identical gradients: a batch of 16 is worth one step at 8 (gain 1), so
+    # an epoch's progress of 64 / 8 = 8 B0-steps takes 8 steps: two passes.
+    seen, opt, loader = progress_job(torch.ones(64, 3), epochs=2)
+    for epoch in seen:
+        assert len(epoch) in (8, 9), "gain is 1 only once the noise scale has an estimate"
+        counts = collections.Counter(i for batch in epoch for i in batch)
+        assert set(counts.values()) <= {1, 2, 3} and len(counts) == 64
+    assert seen[1] and len(seen[1]) == 8
+    assert loader.sampler.pass_index >= 1
+
+
+def test_epochs_by_progress_are_shorter_when_noise_dominates():
+    # Zero-mean noise: a batch of 16 is worth nearly two steps at 8 (gain
+    # about 1.9 here), so an epoch of 8 B0-steps takes 5 steps, not 8.
+    gen = torch.Generator().manual_seed(0)
+    seen, opt, loader = progress_job(torch.randn(64, 50, generator=gen), epochs=4)
+    gain = opt.gns.gain(16, 8)
+    assert 1.5 < gain < 2.0
+    assert all(len(epoch) <= math.ceil(8 / 1.5) for epoch in seen[1:])
+    assert opt.gns.progress >= 4 * 8
+
+
+def test_epochs_by_progress_needs_an_optimizer():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=2)
+    loader.autoscale_batch_size(8, epochs_by_progress=True)
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        next(iter(loader))
+    with pytest.raises(ValueError, match="epochs_by_progress must be True or False"):
+        loader.autoscale_batch_size(8, epochs_by_progress=1)
