@@ -14,11 +14,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from . import _context, collective, env
+from . import collective, env
 from .epoch import current_epoch
+from .goodput import AutoscaleConfig
 from .metrics import StepProfile
-
-_REJECTED_KWARGS = ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last")
 
 
 def _check_int(name, value, low, high=None):
@@ -256,7 +255,6 @@ class AdaptiveDataLoader:
         pass), until the progress is made. Without it (the default) an epoch
         is one pass and every sample is seen exactly once per epoch.
         """
-        from .goodput import AutoscaleConfig
         self._autoscale = AutoscaleConfig.create(self.batch_size, max_batch_size,
                                                  local_bsz_bounds, gradient_accumulation,
                                                  decide_every)

@@ -3,7 +3,9 @@
 Thin wrappers over Horovod's own queries, so that the rest of hvd_adapt (and
 user code) can ask one place. They work the same when the script is started
 with plain ``python`` (a world of one), ``horovodrun -np N`` (Gloo, elastic or
-not) and ``mpirun -np N`` (MPI).
+not) and ``mpirun -np N`` (MPI). Before :func:`init` they raise Horovod's
+ValueError ("Horovod has not been initialized; use hvd.init()"); they are
+called on every step, so they add no checks of their own.
 """
 import os
 
@@ -22,38 +24,28 @@ def init():
         hvd.init()
 
 
-def _require_init():
-    if not hvd.is_initialized():
-        raise RuntimeError("Horovod is not initialised: call hvd_adapt.init() first")
-
-
 def rank():
     """This replica's global rank, 0 <= rank < size()."""
-    _require_init()
     return hvd.rank()
 
 
 def size():
     """Number of replicas in the current world."""
-    _require_init()
     return hvd.size()
 
 
 def local_rank():
     """This replica's rank among the replicas on its node."""
-    _require_init()
     return hvd.local_rank()
 
 
 def local_size():
     """Number of replicas on this replica's node."""
-    _require_init()
     return hvd.local_size()
 
 
 def num_nodes():
     """Number of nodes (hosts) the world spans, Horovod's cross size."""
-    _require_init()
     return hvd.cross_size()
 
 

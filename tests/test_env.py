@@ -44,3 +44,11 @@ def test_allreduce_rejects_non_numbers(bad):
 def test_object_collectives_of_one():
     assert collective.broadcast_object({"x": [1, 2]}) == {"x": [1, 2]}
     assert collective.allgather_object("me") == ["me"]
+
+
+def test_queries_before_init_say_so():
+    import subprocess
+    import sys
+    code = "from hvd_adapt import env\ntry:\n    env.rank()\nexcept ValueError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "hvd.init()" in out.stdout, out.stdout + out.stderr

@@ -1,7 +1,6 @@
 """Learning-rate scaling rules: exact factors, and training with accumulation."""
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset

@@ -13,7 +13,6 @@ outright resumes where it stopped.
         python examples/digits/train.py                    # elastic
 """
 import argparse
-import os
 import time
 
 import numpy as np
