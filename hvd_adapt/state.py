@@ -106,6 +106,9 @@ class State(TorchState):
     """
 
     def __init__(self, model=None, optimizer=None, **kwargs):
+        if "epochs" in kwargs:
+            raise ValueError("State reserves the name 'epochs' for its epoch counter; "
+                             "call that value something else")
         kwargs.update(model=model, optimizer=optimizer)
         kwargs["epochs"] = EpochCounter()
         ours = {}

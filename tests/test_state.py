@@ -203,3 +203,8 @@ def test_sigterm_drains_checkpoints_and_resumes(tmp_path):
     assert second.returncode == 0, second.stderr
     # Stopped after committing step 3 of 20; the rerun trains the other 17.
     assert "start 3" in second.stdout and "finished 20" in second.stdout
+
+
+def test_epochs_is_a_reserved_name():
+    with pytest.raises(ValueError, match="reserves the name 'epochs'"):
+        State(epochs=3)

@@ -7,8 +7,6 @@ each sample exactly once and that accumulator totals equal the closed form of
 a run without resizes.
 """
 import collections
-import glob
-import json
 import os
 import stat
 import sys
@@ -17,12 +15,11 @@ import tempfile
 import pytest
 
 from launch import WORKERS, run_job
+from training_logs import SAMPLES, check_exactly_once, read_logs
 
 FAST_HOROVODRUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hvdrun_fast_discovery.py")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
-
-SAMPLES = 60
 
 
 def discovery_script(out_dir, schedule):
@@ -48,33 +45,7 @@ def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180):
                sys.executable, os.path.join(WORKERS, "elastic_train.py"),
                "--samples", str(SAMPLES)] + [str(a) for a in worker_args]
     job = run_job(command, out_dir=out_dir, timeout=timeout)
-    commits = []
-    for path in glob.glob(os.path.join(out_dir, "commits.*.jsonl")):
-        with open(path) as f:
-            commits += [dict(json.loads(line), pid=os.path.basename(path)) for line in f]
-    epochs = []
-    if os.path.exists(os.path.join(out_dir, "epochs.jsonl")):
-        with open(os.path.join(out_dir, "epochs.jsonl")) as f:
-            epochs = [json.loads(line) for line in f]
-    return job, commits, epochs
-
-
-def check_exactly_once(commits, epochs, num_epochs):
-    seen = collections.defaultdict(collections.Counter)
-    for entry in commits:
-        seen[entry["epoch"]].update(entry["indices"])
-    assert sorted(seen) == list(range(num_epochs))
-    for epoch, counts in seen.items():
-        twice = {i: c for i, c in counts.items() if c != 1}
-        missing = set(range(SAMPLES)) - set(counts)
-        assert not twice and not missing, f"epoch {epoch}: twice {twice}, missing {missing}"
-    # Rank 0 may print an epoch again after a restore; each print must be the same.
-    totals = {}
-    for entry in epochs:
-        totals.setdefault(entry["epoch"], set()).add((entry["n"], entry["idsum"]))
-    assert sorted(totals) == list(range(num_epochs))
-    for epoch, values in totals.items():
-        assert values == {(SAMPLES, SAMPLES * (SAMPLES - 1) // 2)}, (epoch, values)
+    return (job,) + read_logs(out_dir)
 
 
 def sizes_in_order(commits):

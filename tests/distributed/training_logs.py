@@ -1,0 +1,38 @@
+"""Reading what workers/elastic_train.py logged, and the exactly-once checks on it."""
+import collections
+import glob
+import json
+import os
+
+SAMPLES = 60
+
+
+def read_logs(out_dir):
+    """Every rank's committed batches (commits.*.jsonl) and rank 0's epoch totals."""
+    commits = []
+    for path in glob.glob(os.path.join(out_dir, "commits.*.jsonl")):
+        with open(path) as f:
+            commits += [dict(json.loads(line), pid=os.path.basename(path)) for line in f]
+    epochs = []
+    if os.path.exists(os.path.join(out_dir, "epochs.jsonl")):
+        with open(os.path.join(out_dir, "epochs.jsonl")) as f:
+            epochs = [json.loads(line) for line in f]
+    return commits, epochs
+
+
+def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES):
+    seen = collections.defaultdict(collections.Counter)
+    for entry in commits:
+        seen[entry["epoch"]].update(entry["indices"])
+    assert sorted(seen) == list(range(num_epochs))
+    for epoch, counts in seen.items():
+        twice = {i: c for i, c in counts.items() if c != 1}
+        missing = set(range(samples)) - set(counts)
+        assert not twice and not missing, f"epoch {epoch}: twice {twice}, missing {missing}"
+    # Rank 0 may print an epoch again after a restore; each print must be the same.
+    totals = {}
+    for entry in epochs:
+        totals.setdefault(entry["epoch"], set()).add((entry["n"], entry["idsum"]))
+    assert sorted(totals) == list(range(num_epochs))
+    for epoch, values in totals.items():
+        assert values == {(samples, samples * (samples - 1) // 2)}, (epoch, values)
