@@ -19,17 +19,17 @@ from .scaling_rules import ScalingRule, default_rule
 
 
 def _sqnorms(groups):
-    """Squared L2 norm of each group's tensors together, with one device sync in all."""
-    norms = [torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum()
+    """Squared L2 norm of each group's tensors together, with one device sync per group."""
+    norms = [torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum().cpu()
              if grads else torch.zeros((), dtype=torch.float64) for grads in groups]
-    return torch.stack(norms).cpu().numpy() if norms else np.zeros(0)
+    return torch.stack(norms).numpy() if norms else np.zeros(0)
 
 
 def _dots(groups_a, groups_b):
     """Inner product of two gradients, per group."""
-    dots = [sum((torch.dot(a.reshape(-1), b.reshape(-1)).double() for a, b in zip(ga, gb)),
+    dots = [sum((torch.dot(a.reshape(-1), b.reshape(-1)).double().cpu() for a, b in zip(ga, gb)),
                 torch.zeros((), dtype=torch.float64)) for ga, gb in zip(groups_a, groups_b)]
-    return torch.stack(dots).cpu().numpy() if dots else np.zeros(0)
+    return torch.stack(dots).numpy() if dots else np.zeros(0)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -165,12 +165,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if size > 1:
             tensors = [p.grad for p in params]
             if measuring:
-                stats = torch.tensor(local_sqr, dtype=torch.float64)
+                # On the gradients' device: Horovod fuses a group on one device.
+                device = params[0].device if params else "cpu"
+                stats = torch.tensor(local_sqr, dtype=torch.float64, device=device)
                 tensors.append(stats)
             # A fixed name lets Horovod's response cache skip negotiation.
             hvd.grouped_allreduce_(tensors, op=hvd.Average, name="hvd_adapt.grads")
             if measuring:
-                local_sqr = stats.numpy()
+                local_sqr = stats.cpu().numpy()
         sync_seconds = time.perf_counter() - started
         self._discard_stash()
         if self._loader is not None:
