@@ -123,7 +123,7 @@ if [ "$HVD_OK" != "1" ]; then
     WHEEL_DIR="$CACHE/$KEY"
     WHEEL=$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n1 || true)
     if [ -z "$WHEEL" ]; then
-        log "building Horovod $HOROVOD_VERSION from source (about 10 minutes on 2 cores)"
+        log "building Horovod $HOROVOD_VERSION from source (4 to 10 minutes on 2 cores)"
         WORK=$(mktemp -d)
         trap 'rm -rf "$WORK"' EXIT
         "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$WORK" "horovod==$HOROVOD_VERSION" \
