@@ -52,8 +52,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     >>> loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, optimizer, model=None, scaling_rule=None, smoothing=0.999,
-                 measure_noise=None):
+    def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -65,7 +64,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # touch either see one truth.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
-        self.model = model
         self.scaling_rule = scaling_rule or default_rule(optimizer)
         self.gns = GradientNoiseScale(len(optimizer.param_groups), smoothing=smoothing)
         self.measure_noise = measure_noise
