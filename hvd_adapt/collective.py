@@ -5,6 +5,7 @@ same order, or the job hangs. With a world of one they return their input
 without a round trip through Horovod's background thread.
 """
 import numbers
+import time
 
 import horovod.torch as hvd
 import torch
@@ -59,6 +60,26 @@ def allgather_object(obj, name=None):
     if hvd.size() == 1:
         return [obj]
     return hvd.allgather_object(obj, name=name or "hvd_adapt.allgather")
+
+
+def barrier(name="hvd_adapt.barrier"):
+    """Collective: return once every replica has called it, sleeping while it waits.
+
+    Horovod's blocking operations wait in a loop of ``std::this_thread::yield``
+    that keeps a core busy. Where a replica may wait long for another (rank 0
+    fitting the goodput model, a new worker still starting up) and replicas
+    share cores, the waiting ones slow down the very one they wait for. Call
+    this before such a collective: it polls Horovod's handle with a sleep that
+    grows to 10 ms, and the collective after it starts with everyone present.
+    """
+    if hvd.size() == 1:
+        return
+    handle = hvd.allreduce_async(torch.zeros(1), op=hvd.Sum, name=name)
+    delay = 1e-4
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
+    hvd.synchronize(handle)
 
 
 def _check_number(value, key=None):

@@ -278,6 +278,8 @@ class AdaptiveDataLoader:
             choice = self._autoscale.choose(self.profile, grad_params, env.num_nodes(), size, current,
                                             forced=self._choice is None or self._choice[2] != size)
         if size > 1:
+            # Rank 0 may have spent a while fitting the throughput model.
+            collective.barrier()
             choice = collective.broadcast_object(choice)
         self._choice = (choice[0], choice[1], size)
 

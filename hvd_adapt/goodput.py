@@ -16,7 +16,6 @@ import collections
 import math
 
 import numpy as np
-import scipy.optimize
 
 PerfParams = collections.namedtuple(
     "PerfParams", ["alpha_c", "beta_c", "alpha_n", "beta_n", "alpha_r", "beta_r", "gamma"])
@@ -224,6 +223,9 @@ def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_
     bounds = [b for b, f in zip(bounds, free) if f]
     args = (nodes, replicas, bsz, accum, optim)
     if len(x0):
+        # Imported here: only rank 0 fits, and a worker joining a running job
+        # should not spend its start-up (the job's pause) importing scipy.
+        import scipy.optimize
         result = scipy.optimize.minimize(lambda x: _objective(unpack(x), *args), x0,
                                          method="L-BFGS-B", bounds=bounds)
         params = list(unpack(result.x))

@@ -189,6 +189,9 @@ class State(TorchState):
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
     def sync(self):
+        # A new worker arrives here only after its whole start-up; the others
+        # wait for it without spinning, so they do not slow that start-up down.
+        collective.barrier()
         super().sync()
         self._needs_resync = False
 
