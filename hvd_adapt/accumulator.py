@@ -27,6 +27,8 @@ from . import collective
 
 
 def _as_number(value, key):
+    if type(value) in (int, float):
+        return value
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Number):

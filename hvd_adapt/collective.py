@@ -5,6 +5,7 @@ same order, or the job hangs. With a world of one they return their input
 without a round trip through Horovod's background thread.
 """
 import numbers
+import pickle
 import time
 
 import horovod.torch as hvd
@@ -59,7 +60,18 @@ def allgather_object(obj, name=None):
     """
     if hvd.size() == 1:
         return [obj]
-    return hvd.allgather_object(obj, name=name or "hvd_adapt.allgather")
+    name = name or "hvd_adapt.allgather"
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    # Unlike hvd.allgather_object, the sizes and the bytes go out together,
+    # so Horovod negotiates both in one cycle: half the latency per call.
+    sizes = hvd.allgather_async(torch.tensor([data.numel()]), name=name + ".sz")
+    data = hvd.allgather_async(data, name=name + ".t")
+    sizes, data = hvd.synchronize(sizes).tolist(), hvd.synchronize(data).numpy().tobytes()
+    objects, start = [], 0
+    for size in sizes:
+        objects.append(pickle.loads(data[start:start + size]))
+        start += size
+    return objects
 
 
 def barrier(name="hvd_adapt.barrier"):

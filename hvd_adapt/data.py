@@ -347,7 +347,8 @@ class AdaptiveDataLoader:
                 world_count = plan[i][1]
                 final = i == len(plan) - 1
                 self._micro = 0 if (self._micro == accum or final) else self._micro + 1
-                self.num_padded = ElasticSampler.padding(world_count, size, rank)
+                # Only an epoch's last step can be short, and so padded.
+                self.num_padded = ElasticSampler.padding(world_count, size, rank) if final else 0
                 self.sampler.advance(world_count)
                 last = (now, self.is_optim_step())
                 yield batch

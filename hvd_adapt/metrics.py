@@ -4,6 +4,8 @@ Step times are bucketed by (nodes, replicas, atomic bsz) and kept as sums and
 counts, so the profile is small, merges by addition, and travels in the
 elastic state: the profile rank 0 has gathered survives resizes and restarts.
 """
+import math
+
 import numpy as np
 
 _FIELDS = ("accum_time", "accum_count", "optim_time", "optim_count", "sync_time", "sync_count")
@@ -28,11 +30,14 @@ class StepProfile:
 
     def _bucket(self, num_nodes, num_replicas, atomic_bsz):
         key = (int(num_nodes), int(num_replicas), int(atomic_bsz))
-        return self._buckets.setdefault(key, dict.fromkeys(_FIELDS, 0.0))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = dict.fromkeys(_FIELDS, 0.0)
+        return bucket
 
     def record(self, num_nodes, num_replicas, atomic_bsz, seconds, optim):
         """Add one step of ``seconds``; ``optim`` says whether it ended in an optimizer step."""
-        if not np.isfinite(seconds) or seconds <= 0:
+        if not math.isfinite(seconds) or seconds <= 0:
             return
         bucket = self._bucket(num_nodes, num_replicas, atomic_bsz)
         kind = "optim" if optim else "accum"
@@ -41,7 +46,7 @@ class StepProfile:
 
     def record_sync(self, num_nodes, num_replicas, atomic_bsz, seconds):
         """Add the gradient-synchronisation part of one optimizer step."""
-        if not np.isfinite(seconds) or seconds < 0:
+        if not math.isfinite(seconds) or seconds < 0:
             return
         bucket = self._bucket(num_nodes, num_replicas, atomic_bsz)
         bucket["sync_time"] += seconds

@@ -159,8 +159,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if measuring:
             micro_sqr = last_sqr if self._micro_sqr is None else last_sqr + self._micro_sqr
             local_sqr = micro_sqr / micro
-        started = time.perf_counter()
         if size > 1:
+            started = time.perf_counter()
             tensors = [p.grad for p in params]
             if measuring:
                 # On the gradients' device: Horovod fuses a group on one device.
@@ -171,11 +171,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             hvd.grouped_allreduce_(tensors, op=hvd.Average, name="hvd_adapt.grads")
             if measuring:
                 local_sqr = stats.cpu().numpy()
-        sync_seconds = time.perf_counter() - started
+            if self._loader is not None:
+                self._loader.profile.record_sync(env.num_nodes(), size,
+                                                 self._loader.current_local_bsz,
+                                                 time.perf_counter() - started)
         self._discard_stash()
-        if self._loader is not None:
-            self._loader.profile.record_sync(env.num_nodes(), size, self._loader.current_local_bsz,
-                                             sync_seconds)
         if measuring:
             # With one gradient and no averaging the total is the local norm.
             total_sqr = last_sqr if micro * size == 1 else _sqnorms(self._grads())

@@ -7,15 +7,17 @@ choice), accumulators, the distributed optimizer (with its noise scale), the
 epoch counter, and torch learning-rate schedulers. Handlers follow Horovod's StateHandler registry: a type,
 and a class that saves, restores and syncs values of that type.
 """
+import collections
 import copy
 import os
 import pickle
 
+import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.torch.elastic.state import StateHandler, TorchState
-from horovod.torch.functions import broadcast_optimizer_state
+from horovod.torch.functions import broadcast_optimizer_state, broadcast_parameters
 
 from . import _context, collective, env
 from .accumulator import Accumulator, flush
@@ -30,21 +32,73 @@ class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read or does not fit this job's State."""
 
 
+def _snapshot(value, previous=None):
+    """A copy of ``value`` (nested dicts, lists and tuples of tensors and plain values).
+
+    Tensors are copied into the buffers of ``previous`` (the last snapshot)
+    where shape, dtype and device match, so a commit costs a memory copy
+    rather than the allocations and bookkeeping of ``copy.deepcopy``.
+    """
+    if isinstance(value, torch.Tensor):
+        if isinstance(previous, torch.Tensor) and previous.shape == value.shape \
+                and previous.dtype == value.dtype and previous.device == value.device:
+            return previous.copy_(value.detach())
+        return value.detach().clone()
+    if type(value) in (dict, collections.OrderedDict):
+        before = previous if isinstance(previous, dict) else {}
+        out = type(value)((k, _snapshot(v, before.get(k))) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            # Module.state_dict() keeps per-module versions here for load_state_dict.
+            out._metadata = copy.deepcopy(value._metadata)
+        return out
+    if type(value) in (list, tuple):
+        before = previous if type(previous) is type(value) and len(previous) == len(value) \
+            else [None] * len(value)
+        return type(value)(_snapshot(v, p) for v, p in zip(value, before))
+    return copy.deepcopy(value)
+
+
 class StateDictHandler(StateHandler):
-    """For objects with ``state_dict()``/``load_state_dict()``: snapshot, restore, rank-0 sync."""
+    """For objects with ``state_dict()``/``load_state_dict()``: snapshot, restore, rank-0 sync.
+
+    ``light`` handlers hold little (positions, counters, choices) and are
+    synced again after every reset; the others (models, optimizers) only
+    when Horovod syncs.
+    """
+
+    light = True
 
     def __init__(self, value):
         super().__init__(value)
+        self._saved = None
         self.save()
 
     def save(self):
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = _snapshot(self.value.state_dict(), self._saved)
 
     def restore(self):
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self):
         self.value.load_state_dict(collective.broadcast_object(self.value.state_dict()))
+
+
+class ModelHandler(StateDictHandler):
+    """A torch module: parameters and buffers broadcast from rank 0 as tensors."""
+
+    light = False
+
+    def sync(self):
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class TorchOptimizerHandler(StateDictHandler):
+    """A torch optimizer not wrapped by hvd_adapt (a plain one, or Horovod's own)."""
+
+    light = False
+
+    def sync(self):
+        broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class AccumulatorHandler(StateDictHandler):
@@ -56,6 +110,8 @@ class AccumulatorHandler(StateDictHandler):
 
 class OptimizerHandler(StateDictHandler):
     """The wrapped optimizer syncs through Horovod's broadcast_optimizer_state."""
+
+    light = False
 
     def sync(self):
         broadcast_optimizer_state(self.value.optimizer, root_rank=0)
@@ -70,6 +126,8 @@ _registry = [
     (DistributedOptimizer, OptimizerHandler),
     (EpochCounter, StateDictHandler),
     (torch.optim.lr_scheduler.LRScheduler, StateDictHandler),
+    (torch.nn.Module, ModelHandler),
+    (torch.optim.Optimizer, TorchOptimizerHandler),
 ]
 
 
@@ -183,7 +241,12 @@ class State(TorchState):
             timestamp, result = self._host_messages.get()
             if timestamp >= last:
                 received, newest, update = True, max(newest, timestamp), update | result
-        received, newest, update = self._bcast_object((received, newest, update))
+        if env.size() > 1:
+            # Three integers: a fixed-size tensor broadcast is one Horovod
+            # cycle, an object broadcast two (its size, then its bytes).
+            received, newest, update = hvd.broadcast(
+                torch.tensor([int(received), newest, int(update)], dtype=torch.int64),
+                root_rank=0, name="hvd_adapt.host_updates").tolist()
         self._last_updated_timestamp = newest
         if received:
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
@@ -210,7 +273,7 @@ class State(TorchState):
 
     def _resync_light(self):
         for handler in self._handlers.values():
-            if isinstance(handler, StateDictHandler) and not isinstance(handler, OptimizerHandler):
+            if getattr(handler, "light", False):
                 handler.sync()
         self._needs_resync = False
 
