@@ -193,6 +193,7 @@ class AdaptiveDataLoader:
         self._micro = 0
         self._optimizer = None
         self._needs_decision = True
+        self._steps_since_decision = 0
         self._epochs_by_progress = False
         self._epoch_progress_start = 0.0
 
@@ -244,8 +245,8 @@ class AdaptiveDataLoader:
         errors (see :func:`hvd_adapt.probe_max_local_bsz`). With
         ``gradient_accumulation`` a replica may accumulate several atomic
         batches per optimizer step. The choice is made on rank 0 and
-        broadcast, at the start of every pass, after every resize and every
-        ``decide_every`` optimizer steps.
+        broadcast: before the first batch, after every resize and restore, and
+        every ``decide_every`` optimizer steps (counted across epochs).
 
         With ``epochs_by_progress`` an epoch lasts as much training progress
         as one pass at the initial batch size: len(dataset) / batch_size
@@ -266,6 +267,7 @@ class AdaptiveDataLoader:
     def _decide(self):
         """Collective: all ranks adopt rank 0's choice of (local bsz, accumulation steps)."""
         self._needs_decision = False
+        self._steps_since_decision = 0
         if self._autoscale is None:
             return
         size = env.size()
@@ -337,7 +339,6 @@ class AdaptiveDataLoader:
             local, accum = self._current()
             size, rank, nodes = env.size(), env.rank(), env.num_nodes()
             plan = list(self.sampler.batches(local, size, rank))
-            optim_steps = 0
             last = None
             for i, batch in enumerate(self._torch_loader([idx for idx, _ in plan])):
                 now = time.perf_counter()
@@ -359,8 +360,9 @@ class AdaptiveDataLoader:
                     return
                 if final:
                     continue
-                optim_steps += 1
-                if self._autoscale is not None and optim_steps % self._autoscale.decide_every == 0:
+                self._steps_since_decision += 1
+                if self._autoscale is not None \
+                        and self._steps_since_decision >= self._autoscale.decide_every:
                     self._needs_decision = True
                 if self._needs_decision:
                     started = time.perf_counter()

@@ -32,6 +32,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read or does not fit this job's State."""
 
 
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
 def _snapshot(value, previous=None):
     """A copy of ``value`` (nested dicts, lists and tuples of tensors and plain values).
 
@@ -39,6 +42,8 @@ def _snapshot(value, previous=None):
     where shape, dtype and device match, so a commit costs a memory copy
     rather than the allocations and bookkeeping of ``copy.deepcopy``.
     """
+    if type(value) in _IMMUTABLE:
+        return value
     if isinstance(value, torch.Tensor):
         if isinstance(previous, torch.Tensor) and previous.shape == value.shape \
                 and previous.dtype == value.dtype and previous.device == value.device:

@@ -256,3 +256,25 @@ def test_epochs_by_progress_needs_an_optimizer():
         next(iter(loader))
     with pytest.raises(ValueError, match="epochs_by_progress must be True or False"):
         loader.autoscale_batch_size(8, epochs_by_progress=1)
+
+
+def test_decisions_come_every_decide_every_steps_across_short_epochs():
+    # 8 steps per pass and decide_every=10: a per-pass step count never
+    # reaches 10, so only a count kept across epochs ever decides again.
+    # Noise-only gradients make the largest batch the best choice.
+    from torch.utils.data import TensorDataset
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(50))
+    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0))
+    loader = AdaptiveDataLoader(TensorDataset(torch.randn(64, 50, generator=gen)), batch_size=8,
+                                shuffle=True)
+    loader.autoscale_batch_size(64, decide_every=10)
+    hvd_adapt.State(optimizer=opt, loader=loader)
+    sizes = []
+    for _ in range(3):
+        for (x,) in loader:
+            opt.zero_grad()
+            (x @ w).mean().backward()
+            opt.step()
+        sizes.append(loader.current_batch_size)
+    assert sizes[0] == 8 and sizes[-1] > 8, sizes

@@ -208,3 +208,38 @@ def test_sigterm_drains_checkpoints_and_resumes(tmp_path):
 def test_epochs_is_a_reserved_name():
     with pytest.raises(ValueError, match="reserves the name 'epochs'"):
         State(epochs=3)
+
+
+def test_commits_reuse_snapshot_buffers_and_restore_copies_them():
+    state, model, opt, loader, stats = make_job()
+    train_steps(state, model, opt, loader, stats, 1)
+    saved = state._handlers["model"]._saved["weight"]
+    momentum = state._handlers["optimizer"]._saved["optimizer"]["state"][0]["momentum_buffer"]
+    pointers = (saved.data_ptr(), momentum.data_ptr())
+    train_steps(state, model, opt, loader, stats, 1)
+    assert torch.equal(saved, model.weight) and saved.data_ptr() == pointers[0]
+    assert torch.equal(momentum, opt.state[model.weight]["momentum_buffer"])
+    assert momentum.data_ptr() == pointers[1]
+    committed = saved.clone()
+    state.restore()
+    # Training after a restore must not write through to the snapshot.
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        opt.state[model.weight]["momentum_buffer"].add_(1.0)
+    assert torch.equal(saved, committed)
+    state.restore()
+    assert torch.equal(model.weight, committed)
+
+
+def test_plain_torch_optimizer_is_carried_too():
+    model = torch.nn.Linear(3, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=sgd)
+    model(torch.randn(4, 3)).sum().backward()
+    sgd.step()
+    state.commit()
+    buffer = sgd.state[model.weight]["momentum_buffer"].clone()
+    model(torch.randn(4, 3)).sum().backward()
+    sgd.step()
+    state.restore()
+    assert torch.equal(sgd.state[model.weight]["momentum_buffer"], buffer)

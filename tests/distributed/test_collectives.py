@@ -19,6 +19,10 @@ def _check(reports, np, launcher):
         assert rep["sum_dict"] == expected
         assert rep["bcast"] == {"from": np - 1}
         assert rep["gather"] == [10 * r for r in range(np)]
+        assert rep["gather_sizes"] == ["x" * (100 * r) for r in range(np)]
+        # Waiting a second for a late rank must not keep a core busy (Horovod's
+        # own blocking wait spins: about a second of CPU here).
+        assert rep["barrier_cpu_s"] < 0.25, rep
 
 
 @pytest.mark.parametrize("np", [2, 3])

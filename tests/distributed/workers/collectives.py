@@ -1,8 +1,22 @@
 """Each rank reports what env and collective computed for rank-dependent inputs."""
+import time
+
 import hvd_adapt
 from hvd_adapt import collective, env
 
 from _report import report
+
+
+
+def barrier_cpu_seconds(wait=1.0):
+    """CPU seconds this thread spends in a barrier that the last rank joins ``wait`` s late."""
+    collective.barrier()
+    if env.rank() == env.size() - 1:
+        time.sleep(wait)
+    started = time.thread_time()
+    collective.barrier()
+    return time.thread_time() - started
+
 
 hvd_adapt.init()
 r, n = env.rank(), env.size()
@@ -14,4 +28,6 @@ report({
     "sum_dict": collective.allreduce({"a": r, "b": 1.5, f"only{r}": 1}),
     "bcast": collective.broadcast_object({"from": r} if r == n - 1 else None, root_rank=n - 1),
     "gather": collective.allgather_object(r * 10),
+    "gather_sizes": collective.allgather_object("x" * (100 * r)),
+    "barrier_cpu_s": barrier_cpu_seconds(),
 }, r)
