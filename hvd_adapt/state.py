@@ -1,11 +1,13 @@
 """hvd_adapt.State: one Horovod elastic state for everything a resize must carry.
 
-It is a ``horovod.torch.elastic.TorchState`` (so models, torch optimizers
-and plain attributes work as in Horovod) with handlers for hvd_adapt's own
-objects: loaders and samplers (data position, step profile, batch-size
-choice), accumulators, the distributed optimizer (with its noise scale), the
-epoch counter, and torch learning-rate schedulers. Handlers follow Horovod's StateHandler registry: a type,
-and a class that saves, restores and syncs values of that type.
+It is a ``horovod.torch.elastic.TorchState`` (plain attributes work as in
+Horovod) with handlers for models and torch optimizers (synced as Horovod
+syncs them, but saved into reused buffers, so a commit allocates nothing)
+and for hvd_adapt's own objects: loaders and samplers (data position, step
+profile, batch-size choice), accumulators, the distributed optimizer (with
+its noise scale), the epoch counter, and torch learning-rate schedulers.
+Handlers follow Horovod's StateHandler registry: a type, and a class that
+saves, restores and syncs values of that type.
 """
 import collections
 import copy
