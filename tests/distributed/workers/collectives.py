@@ -7,7 +7,6 @@ from hvd_adapt import collective, env
 from _report import report
 
 
-
 def barrier_cpu_seconds(wait=1.0):
     """CPU seconds this thread spends in a barrier that the last rank joins ``wait`` s late."""
     collective.barrier()
