@@ -1,4 +1,8 @@
 """Goodput model, fit and optimiser: pure numpy, no Horovod."""
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -116,6 +120,24 @@ def test_fit_pins_what_the_data_cannot_identify():
     # Prior: crossing nodes costs at least as much as staying on one.
     assert fitted.alpha_n >= 1.1 * fitted.alpha_r - 1e-12
     assert fitted.beta_n >= 1.1 * fitted.beta_r - 1e-12
+
+
+def test_fit_leaves_no_blas_threads_spinning():
+    # OpenBLAS threads that ran a call spin for about 0.1 s afterwards; on a
+    # CPU machine they took the cores from the training steps after each fit.
+    # A fresh interpreter: other tests may have left threads of their own.
+    script = textwrap.dedent("""
+        import time
+        from hvd_adapt.goodput import fit_perf_params
+        fit_perf_params([1, 1, 1], [1, 1, 1], [32, 64, 128], [1e-3, 1.5e-3, 2.5e-3],
+                        [1.2e-3, 1.7e-3, 2.7e-3])
+        cpu = time.process_time()
+        time.sleep(0.2)
+        print(time.process_time() - cpu)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    idle_cpu = float(out.stdout.strip().splitlines()[-1])
+    assert idle_cpu < 0.03, f"{idle_cpu:.3f} s of CPU while idle after a fit"
 
 
 def test_fit_rejects_bad_input():
