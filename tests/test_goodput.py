@@ -123,8 +123,8 @@ def test_fit_pins_what_the_data_cannot_identify():
 
 
 def test_fit_leaves_no_blas_threads_spinning():
-    # OpenBLAS threads that ran a call spin for about 0.1 s afterwards; on a
-    # CPU machine they took the cores from the training steps after each fit.
+    # OpenBLAS threads woken by a call spin for about 0.1 s afterwards; with
+    # L-BFGS-B they took the cores from the training steps after each fit.
     # A fresh interpreter: other tests may have left threads of their own.
     script = textwrap.dedent("""
         import time
