@@ -19,17 +19,35 @@ from .scaling_rules import ScalingRule, default_rule
 
 
 def _sqnorms(groups):
-    """Squared L2 norm of each group's tensors together, with one device sync per group."""
-    norms = [torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum().cpu()
-             if grads else torch.zeros((), dtype=torch.float64) for grads in groups]
-    return torch.stack(norms).numpy() if norms else np.zeros(0)
+    """Squared L2 norm of each group's tensors together, with one device sync."""
+    if not groups:
+        return np.zeros(0)
+    zero = torch.zeros((), dtype=torch.float64)
+    norms = [torch.nn.utils.get_total_norm(grads).double() if grads else zero for grads in groups]
+    return torch.stack(norms).cpu().pow(2).numpy()
 
 
-def _dots(groups_a, groups_b):
-    """Inner product of two gradients, per group."""
-    dots = [sum((torch.dot(a.reshape(-1), b.reshape(-1)).double().cpu() for a, b in zip(ga, gb)),
-                torch.zeros((), dtype=torch.float64)) for ga, gb in zip(groups_a, groups_b)]
-    return torch.stack(dots).numpy() if dots else np.zeros(0)
+def _flatten(groups):
+    """Each group's gradients as one new flat float32-or-wider tensor (a copy: the next
+    backward overwrites .grad)."""
+    return [torch.cat([g.reshape(-1) for g in grads]).float() if grads else None
+            for grads in groups]
+
+
+def _flat_stats(flats, previous=None):
+    """|f|^2 per group and, given the previous step's flats, f.previous per group: one sync."""
+    zero = torch.zeros((), dtype=torch.float64)
+    values = [torch.dot(f, f).double() if f is not None else zero for f in flats]
+    if previous is not None:
+        values += [torch.dot(f, q).double() if f is not None else zero
+                   for f, q in zip(flats, previous)]
+    out = torch.stack(values).cpu().numpy() if values else np.zeros(0)
+    n = len(flats)
+    return out[:n], (out[n:] if previous is not None else None)
+
+
+def _shapes(flats):
+    return [None if f is None else f.shape for f in flats]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -147,6 +165,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
         measuring = self._measuring()
         micro = self._micro_count + 1
+        size = env.size()
+        if measuring and micro * size == 1:
+            self._measure_single()
+            return self._scaled_step(closure)
+        self._previous = None
         last_sqr = _sqnorms(self._grads()) if measuring else None
         if self._stash is not None:
             for buf, p in zip(self._stash, params):
@@ -154,7 +177,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if micro > 1:
             for p in params:
                 p.grad.div_(micro)
-        size = env.size()
         local_sqr = None
         if measuring:
             micro_sqr = last_sqr if self._micro_sqr is None else last_sqr + self._micro_sqr
@@ -177,9 +199,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                  time.perf_counter() - started)
         self._discard_stash()
         if measuring:
-            # With one gradient and no averaging the total is the local norm.
-            total_sqr = last_sqr if micro * size == 1 else _sqnorms(self._grads())
-            self._update_noise_scale(local_sqr, total_sqr, micro * size)
+            self.gns.update(local_sqr, _sqnorms(self._grads()), self._loader.current_local_bsz,
+                            micro * size, self._loader.batch_size)
         return self._scaled_step(closure)
 
     def _discard_stash(self):
@@ -187,24 +208,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._micro_sqr = None
         self._micro_count = 0
 
-    def _update_noise_scale(self, local_sqr, total_sqr, num_micro):
-        loader = self._loader
-        if num_micro == 1:
-            # One gradient per step: pair it with the previous step's, using
-            # |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4.
-            grads = [[g.detach() for g in group] for group in self._grads()]
-            previous = self._previous
-            self._previous = ([[g.clone() for g in group] for group in grads], total_sqr)
-            if previous is None or [len(g) for g in previous[0]] != [len(g) for g in grads]:
-                return
-            previous_grads, previous_sqr = previous
-            local_sqr = (previous_sqr + total_sqr) / 2
-            total_sqr = (previous_sqr + total_sqr + 2 * _dots(previous_grads, grads)) / 4
-            num_micro = 2
-        else:
-            self._previous = None
-        self.gns.update(local_sqr, total_sqr, loader.current_local_bsz, num_micro,
-                        loader.batch_size)
+    def _measure_single(self):
+        """One gradient per step: pair it with the previous step's, using
+        |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
+        flats = _flatten(self._grads())
+        previous = self._previous
+        paired = previous is not None and _shapes(previous[0]) == _shapes(flats)
+        sqr, dots = _flat_stats(flats, previous[0] if paired else None)
+        self._previous = (flats, sqr)
+        if not paired:
+            return
+        previous_sqr = previous[1]
+        local_sqr = (previous_sqr + sqr) / 2
+        total_sqr = (previous_sqr + sqr + 2 * dots) / 4
+        self.gns.update(local_sqr, total_sqr, self._loader.current_local_bsz, 2,
+                        self._loader.batch_size)
 
     def _scaled_step(self, closure):
         loader = self._loader
