@@ -18,20 +18,31 @@ from .gns import GradientNoiseScale
 from .scaling_rules import ScalingRule, default_rule
 
 
+def _wide(dtype):
+    # Half-precision sums over long vectors lose most of their digits.
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _sqnorms(groups):
     """Squared L2 norm of each group's tensors together, with one device sync."""
     if not groups:
         return np.zeros(0)
     zero = torch.zeros((), dtype=torch.float64)
-    norms = [torch.nn.utils.get_total_norm(grads).double() if grads else zero for grads in groups]
-    return torch.stack(norms).cpu().pow(2).numpy()
+    sqrs = [torch.stack([torch.linalg.vector_norm(g, dtype=_wide(g.dtype)) for g in grads])
+            .double().pow(2).sum() if grads else zero for grads in groups]
+    return torch.stack(sqrs).cpu().numpy()
 
 
 def _flatten(groups):
-    """Each group's gradients as one new flat float32-or-wider tensor (a copy: the next
+    """Each group's gradients as one new flat tensor, in float32 at least (a copy: the next
     backward overwrites .grad)."""
-    return [torch.cat([g.reshape(-1) for g in grads]).float() if grads else None
-            for grads in groups]
+    flats = []
+    for grads in groups:
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+        if flat is not None:
+            flat = flat.to(_wide(flat.dtype))
+        flats.append(flat)
+    return flats
 
 
 def _flat_stats(flats, previous=None):

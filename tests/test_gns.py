@@ -1,8 +1,9 @@
 """Gradient noise scale: the estimator alone, and through the optimizer in one process."""
 import numpy as np
 import pytest
+import torch
 
-from hvd_adapt import GradientNoiseScale
+from hvd_adapt import GradientNoiseScale, optimizer
 from launch import run_ranks
 
 
@@ -51,3 +52,16 @@ def test_optimizer_estimates_on_one_replica(accumulate):
     assert rep["accum"] == (3 if accumulate else 0)
     assert rep["sqr"] == pytest.approx(rep["true_sqr"], rel=0.10)
     assert rep["trace"] == pytest.approx(rep["true_trace"], rel=0.10)
+
+
+def test_noise_measurement_keeps_half_precision_gradients_exact():
+    # A bfloat16 result keeps 3 significant digits; the noise scale is the
+    # small difference of two such sums, which that rounding would swamp.
+    grad = torch.randn(40000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    exact = float((grad.double() ** 2).sum())
+    grads = [[grad[:30000], grad[30000:]], []]
+    flats = optimizer._flatten(grads)
+    sqr, dots = optimizer._flat_stats(flats, flats)
+    assert sqr == pytest.approx([exact, 0.0], rel=1e-5)
+    assert dots == pytest.approx([exact, 0.0], rel=1e-5)
+    assert optimizer._sqnorms(grads) == pytest.approx([exact, 0.0], rel=1e-5)
