@@ -226,9 +226,10 @@ def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_
         # Imported here: only rank 0 fits, and a worker joining a running job
         # should not spend its start-up (the job's pause) importing scipy.
         import scipy.optimize
-        # SLSQP, not L-BFGS-B: L-BFGS-B's LAPACK calls wake OpenBLAS's thread
-        # pool, whose threads then spin for about 0.1 s, taking the cores from
-        # the training steps that follow (steps 1.7x slower on 2 CPU cores).
+        # SLSQP, not L-BFGS-B: after each L-BFGS-B fit scipy's OpenBLAS threads
+        # spin for about 0.1 s, taking the cores from the training steps that
+        # follow (1.7-2.3x slower on 2 CPU cores) and from their timing, which
+        # the next fit reads. SLSQP finds the same fits and leaves none.
         result = scipy.optimize.minimize(lambda x: _objective(unpack(x), *args), x0,
                                          method="SLSQP", bounds=bounds)
         params = list(unpack(result.x))

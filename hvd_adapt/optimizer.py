@@ -36,13 +36,8 @@ def _sqnorms(groups):
 def _flatten(groups):
     """Each group's gradients as one new flat tensor, in float32 at least (a copy: the next
     backward overwrites .grad)."""
-    flats = []
-    for grads in groups:
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
-        if flat is not None:
-            flat = flat.to(_wide(flat.dtype))
-        flats.append(flat)
-    return flats
+    flats = [torch.cat([g.reshape(-1) for g in grads]) if grads else None for grads in groups]
+    return [None if f is None else f.to(_wide(f.dtype)) for f in flats]
 
 
 def _flat_stats(flats, previous=None):
