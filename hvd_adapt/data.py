@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from . import collective, env
 from .epoch import current_epoch
-from .goodput import AutoscaleConfig
+from .goodput import AutoscaleConfig, prepare_fit
 from .metrics import StepProfile
 
 
@@ -263,6 +263,9 @@ class AdaptiveDataLoader:
             raise ValueError(f"epochs_by_progress must be True or False, got {epochs_by_progress!r}")
         self._epochs_by_progress = epochs_by_progress
         self._needs_decision = True
+        if env.initialized() and env.rank() == 0:
+            # The rank that fits loads scipy now rather than mid-training.
+            prepare_fit()
 
     def _decide(self):
         """Collective: all ranks adopt rank 0's choice of (local bsz, accumulation steps)."""

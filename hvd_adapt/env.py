@@ -20,8 +20,13 @@ def init():
     >>> hvd_adapt.env.size()
     1
     """
-    if not hvd.is_initialized():
+    if not initialized():
         hvd.init()
+
+
+def initialized():
+    """True once Horovod is initialised (by :func:`init` or directly)."""
+    return hvd.is_initialized()
 
 
 def rank():

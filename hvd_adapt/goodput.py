@@ -14,6 +14,7 @@ replicas give this job?" without torch or Horovod:
 """
 import collections
 import math
+import os
 
 import numpy as np
 
@@ -31,6 +32,7 @@ GradParams.__doc__ = """Gradient statistics: sqr = |G|^2 (squared norm of the tr
 var = tr(Sigma) / B0 (gradient variance at the initial batch size B0)."""
 
 _EPS = 1e-8
+_SCIPY_OPTIMIZE = None
 _GAMMA_BOUNDS = (1.0, 10.0)
 
 
@@ -165,6 +167,33 @@ def _objective(params, num_nodes, num_replicas, atomic_bsz, accum_time, optim_ti
     return err_accum + err_optim + reg_gamma + reg_beta
 
 
+def prepare_fit():
+    """Import ``scipy.optimize`` with scipy's own BLAS pool capped at one thread; returns it.
+
+    Call it on the fitting rank before training starts: loading scipy's
+    OpenBLAS starts a thread that busy-waits for about 0.1 s, and so does the
+    first fit after a fork (MPI_Init of a single process forks one), which
+    shuts the pool down. Either, inside training, takes a core from the steps
+    around it and spoils their timing, which the next fit reads (on digits:
+    40 ms steps, and the adaptive run twice as long). A 7-parameter fit gains
+    nothing from threads. Only the BLAS inside scipy's own install is capped,
+    once and for good (raising it again starts spinning threads anew); numpy's
+    and torch's pools are left alone. Other ranks never import scipy, so a
+    worker joining a running job does not spend the job's pause on it.
+    """
+    global _SCIPY_OPTIMIZE
+    if _SCIPY_OPTIMIZE is None:
+        import scipy
+        import scipy.optimize
+        from threadpoolctl import ThreadpoolController
+        home = os.path.dirname(scipy.__file__)
+        for lib in ThreadpoolController().lib_controllers:
+            if lib.user_api == "blas" and lib.filepath.startswith((home + os.sep, home + ".libs")):
+                lib.set_num_threads(1)
+        _SCIPY_OPTIMIZE = scipy.optimize
+    return _SCIPY_OPTIMIZE
+
+
 def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time):
     """Fit :class:`PerfParams` to measured mean step times, one entry per profiled bucket.
 
@@ -223,15 +252,10 @@ def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_
     bounds = [b for b, f in zip(bounds, free) if f]
     args = (nodes, replicas, bsz, accum, optim)
     if len(x0):
-        # Imported here: only rank 0 fits, and a worker joining a running job
-        # should not spend its start-up (the job's pause) importing scipy.
-        import scipy.optimize
-        # SLSQP, not L-BFGS-B: after each L-BFGS-B fit scipy's OpenBLAS threads
-        # spin for about 0.1 s, taking the cores from the training steps that
-        # follow (1.7-2.3x slower on 2 CPU cores) and from their timing, which
-        # the next fit reads. SLSQP finds the same fits and leaves none.
-        result = scipy.optimize.minimize(lambda x: _objective(unpack(x), *args), x0,
-                                         method="SLSQP", bounds=bounds)
+        # SLSQP, not L-BFGS-B: the same fits in half the time, and L-BFGS-B's
+        # LAPACK calls woke BLAS threads that then spun for 0.1 s each fit.
+        result = prepare_fit().minimize(lambda x: _objective(unpack(x), *args), x0,
+                                        method="SLSQP", bounds=bounds)
         params = list(unpack(result.x))
     else:
         params = list(unpack(x0))

@@ -1,22 +1,40 @@
 """Step-time profile: what the throughput model is fitted on.
 
-Step times are bucketed by (nodes, replicas, atomic bsz) and kept as sums and
-counts, so the profile is small, merges by addition, and travels in the
-elastic state: the profile rank 0 has gathered survives resizes and restarts.
+Step times are bucketed by (nodes, replicas, atomic bsz). Each bucket keeps
+the most recent step times of each kind, so the profile stays small, follows
+the machine as it is now, and travels in the elastic state: the profile rank
+0 has gathered survives resizes and restarts.
 """
+import collections
 import math
 
 import numpy as np
 
-_FIELDS = ("accum_time", "accum_count", "optim_time", "optim_count", "sync_time", "sync_count")
+_KINDS = ("accum", "optim", "sync")
+# Recent steps kept per bucket and kind: a few commit periods' worth.
+_WINDOW = 64
+# A step this many times the bucket's median is a stall (a garbage collection,
+# another process taking the core), not a cost of the batch size. Left in, one
+# 40 ms stall among 1 ms steps made a batch size look slow for the rest of a
+# run, and the run never tried it again.
+_STALL_FACTOR = 4.0
+
+
+def _typical(times):
+    """Mean step time, leaving out stalls; NaN when nothing was recorded."""
+    if not times:
+        return math.nan
+    values = np.fromiter(times, dtype=float, count=len(times))
+    return float(values[values <= _STALL_FACTOR * np.median(values)].mean())
 
 
 class StepProfile:
-    """Sums and counts of step times per (num_nodes, num_replicas, atomic_bsz).
+    """Recent step times per (num_nodes, num_replicas, atomic_bsz).
 
     ``accum`` steps only accumulate gradients; ``optim`` steps also average them
     over replicas and update the model; ``sync`` is the part of an optim step
-    spent in the gradient allreduce.
+    spent in the gradient allreduce. A bucket's step time is the mean of its
+    last 64 steps of that kind, leaving out stalls (steps over 4x the median).
 
     >>> p = StepProfile()
     >>> p.record(1, 2, 32, 0.10, optim=True)
@@ -32,43 +50,37 @@ class StepProfile:
         key = (int(num_nodes), int(num_replicas), int(atomic_bsz))
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = dict.fromkeys(_FIELDS, 0.0)
+            bucket = self._buckets[key] = {k: collections.deque(maxlen=_WINDOW) for k in _KINDS}
         return bucket
 
     def record(self, num_nodes, num_replicas, atomic_bsz, seconds, optim):
         """Add one step of ``seconds``; ``optim`` says whether it ended in an optimizer step."""
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        bucket = self._bucket(num_nodes, num_replicas, atomic_bsz)
-        kind = "optim" if optim else "accum"
-        bucket[kind + "_time"] += seconds
-        bucket[kind + "_count"] += 1
+        self._bucket(num_nodes, num_replicas, atomic_bsz)["optim" if optim else "accum"].append(
+            seconds)
 
     def record_sync(self, num_nodes, num_replicas, atomic_bsz, seconds):
         """Add the gradient-synchronisation part of one optimizer step."""
         if not math.isfinite(seconds) or seconds < 0:
             return
-        bucket = self._bucket(num_nodes, num_replicas, atomic_bsz)
-        bucket["sync_time"] += seconds
-        bucket["sync_count"] += 1
+        self._bucket(num_nodes, num_replicas, atomic_bsz)["sync"].append(seconds)
 
     def __len__(self):
-        return sum(1 for b in self._buckets.values() if b["optim_count"] > 0)
+        return sum(1 for b in self._buckets.values() if b["optim"])
 
     def arrays(self):
-        """Per-bucket means as numpy arrays, for :func:`hvd_adapt.goodput.fit_perf_params`.
+        """Per-bucket step times as numpy arrays, for :func:`hvd_adapt.goodput.fit_perf_params`.
 
         Buckets without optimizer steps are left out. Where a bucket saw no
         accumulation step, its accumulation time is estimated as the optimizer
         step time less its synchronisation time.
         """
-        rows = [(k, b) for k, b in sorted(self._buckets.items()) if b["optim_count"] > 0]
+        rows = [(k, b) for k, b in sorted(self._buckets.items()) if b["optim"]]
         keys = np.array([k for k, _ in rows], dtype=float).reshape(-1, 3)
-        optim = np.array([b["optim_time"] / b["optim_count"] for _, b in rows])
-        sync = np.array([b["sync_time"] / b["sync_count"] if b["sync_count"] else 0.0
-                         for _, b in rows])
-        accum = np.array([b["accum_time"] / b["accum_count"] if b["accum_count"]
-                          else np.nan for _, b in rows])
+        optim = np.array([_typical(b["optim"]) for _, b in rows])
+        sync = np.nan_to_num(np.array([_typical(b["sync"]) for _, b in rows]))
+        accum = np.array([_typical(b["accum"]) for _, b in rows])
         estimate = np.maximum(optim - sync, 0.5 * optim)
         accum = np.where(np.isnan(accum), estimate, accum)
         return {"num_nodes": keys[:, 0], "num_replicas": keys[:, 1], "atomic_bsz": keys[:, 2],
@@ -77,15 +89,18 @@ class StepProfile:
     def throughput(self, num_nodes, num_replicas, atomic_bsz, accum_steps):
         """Measured samples/s at this configuration, or None before any optimizer step."""
         bucket = self._buckets.get((int(num_nodes), int(num_replicas), int(atomic_bsz)))
-        if not bucket or not bucket["optim_count"]:
+        if not bucket or not bucket["optim"]:
             return None
-        optim = bucket["optim_time"] / bucket["optim_count"]
-        accum = bucket["accum_time"] / bucket["accum_count"] if bucket["accum_count"] else optim
+        optim = _typical(bucket["optim"])
+        accum = _typical(bucket["accum"]) if bucket["accum"] else optim
         seconds = accum_steps * accum + optim
         return num_replicas * atomic_bsz * (accum_steps + 1) / seconds
 
     def state_dict(self):
-        return {key: dict(bucket) for key, bucket in self._buckets.items()}
+        return {key: {kind: tuple(times) for kind, times in bucket.items()}
+                for key, bucket in self._buckets.items()}
 
     def load_state_dict(self, state):
-        self._buckets = {tuple(key): dict(bucket) for key, bucket in state.items()}
+        self._buckets = {tuple(key): {kind: collections.deque(bucket[kind], maxlen=_WINDOW)
+                                      for kind in _KINDS}
+                         for key, bucket in state.items()}

@@ -67,7 +67,7 @@ try:
         problems.append("horovod was built without MPI")
 except ImportError as e:
     problems.append(f"horovod.torch does not import: {e}")
-for mod in ("mpi4py", "numpy", "scipy", "pytest", "hvd_adapt"):
+for mod in ("mpi4py", "numpy", "scipy", "threadpoolctl", "pytest", "hvd_adapt"):
     try:
         __import__(mod)
     except ImportError as e:
@@ -104,7 +104,7 @@ log "installing torch $TORCH_VERSION and build requirements"
 # without a torch wheel on disk (Docker images), where PyPI's build is CUDA's.
 TORCH_INDEX=()
 [ -n "${HVD_ADAPT_TORCH_INDEX:-}" ] && TORCH_INDEX=(--extra-index-url "$HVD_ADAPT_TORCH_INDEX")
-"${PIP[@]}" "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" numpy scipy cloudpickle psutil pyyaml packaging
+"${PIP[@]}" "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" numpy scipy threadpoolctl cloudpickle psutil pyyaml packaging
 INSTALLED_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
 case "$INSTALLED_TORCH" in
     "$TORCH_VERSION"*) ;;

@@ -278,3 +278,18 @@ def test_decisions_come_every_decide_every_steps_across_short_epochs():
             opt.step()
         sizes.append(loader.current_batch_size)
     assert sizes[0] == 8 and sizes[-1] > 8, sizes
+
+
+def test_autoscaling_rank_loads_scipy_before_training():
+    # Loading scipy's BLAS starts a thread that spins for 0.1 s; during
+    # training that slowed the steps whose times the next fit reads.
+    import subprocess
+    import sys
+    code = ("import sys, torch, hvd_adapt\nhvd_adapt.init()\n"
+            "loader = hvd_adapt.AdaptiveDataLoader(torch.utils.data.TensorDataset(torch.zeros(8)),"
+            " batch_size=2)\n"
+            "before = 'scipy.optimize' in sys.modules\n"
+            "loader.autoscale_batch_size(8)\n"
+            "print(before, 'scipy.optimize' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr

@@ -15,6 +15,7 @@ def test_world_of_one():
         (0, 1, 0, 1, 1)
     assert env.launcher() == "python"
     assert not env.is_elastic()
+    assert env.initialized()
 
 
 def test_init_twice_is_harmless():
@@ -49,6 +50,7 @@ def test_object_collectives_of_one():
 def test_queries_before_init_say_so():
     import subprocess
     import sys
-    code = "from hvd_adapt import env\ntry:\n    env.rank()\nexcept ValueError as e:\n    print(e)"
+    code = ("from hvd_adapt import env\nassert not env.initialized()\n"
+            "try:\n    env.rank()\nexcept ValueError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "hvd.init()" in out.stdout, out.stdout + out.stderr
