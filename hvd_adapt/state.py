@@ -59,6 +59,10 @@ def _snapshot(value, previous=None):
             out._metadata = copy.deepcopy(value._metadata)
         return out
     if type(value) in (list, tuple):
+        if all(type(v) in _IMMUTABLE for v in value):
+            # Flat sequences (a step-time profile is hundreds of floats) need
+            # no per-item copy; a tuple of them is immutable itself.
+            return value if type(value) is tuple else list(value)
         before = previous if type(previous) is type(value) and len(previous) == len(value) \
             else [None] * len(value)
         return type(value)(_snapshot(v, p) for v, p in zip(value, before))
@@ -228,10 +232,7 @@ class State(TorchState):
         self.save()
         if self._drain is not None:
             self._drain.check(self)
-        if env.is_elastic():
-            # Only the elastic driver sends host updates; elsewhere the check
-            # would be a broadcast of nothing.
-            self.check_host_updates()
+        self.check_host_updates()
 
     def check_host_updates(self):
         """Collective: raise ``HostsUpdatedInterrupt`` if the driver reported a host change.
@@ -240,8 +241,14 @@ class State(TorchState):
         shares the second of the update before it, so of two resizes within
         a second the second was lost. Each update is delivered once and the
         queue is emptied at every reset, so here an update stamped in the
-        same second as the last one counts as new.
+        same second as the last one counts as new. Outside elastic mode no
+        driver sends updates and it returns at once, so a script can call it
+        after every batch and commit less often (as Horovod's examples do).
+        Like a commit, it does nothing between the steps of an accumulation
+        cycle: a resize takes effect at an optimizer step.
         """
+        if not env.is_elastic() or not self.at_optim_boundary():
+            return
         last = self._last_updated_timestamp
         received, newest, update = False, last, HostUpdateResult.no_update
         while not self._host_messages.empty():

@@ -231,6 +231,18 @@ def test_commits_reuse_snapshot_buffers_and_restore_copies_them():
     assert torch.equal(model.weight, committed)
 
 
+def test_flat_sequences_are_snapshotted_without_copying_each_item():
+    from hvd_adapt.state import _snapshot
+    times = tuple(0.001 * i for i in range(64))
+    flat = [1, 2.5, "x", None]
+    snap = _snapshot({"times": times, "flat": flat, "nested": [flat, (torch.ones(2),)]})
+    assert snap["times"] is times
+    assert snap["flat"] == flat and snap["flat"] is not flat
+    flat.append(3)
+    assert snap["flat"] == [1, 2.5, "x", None] and snap["nested"][0] == [1, 2.5, "x", None]
+    assert torch.equal(snap["nested"][1][0], torch.ones(2))
+
+
 def test_plain_torch_optimizer_is_carried_too():
     model = torch.nn.Linear(3, 1)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -33,12 +33,18 @@ def parse_args(argv=None):
                         help="largest batch one replica may load at once (memory bound)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--no-autoscale", action="store_true", help="keep the batch size fixed")
+    parser.add_argument("--batches-per-commit", type=int, default=10,
+                        help="batches between commits of the elastic state (hosts are checked "
+                             "after every batch)")
     parser.add_argument("--checkpoint", default=None, help="checkpoint file (resumed if present)")
     parser.add_argument("--tensorboard", default=None, help="TensorBoard log directory")
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="stop once validation accuracy reaches this")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batches_per_commit < 1:
+        parser.error(f"--batches-per-commit must be >= 1, got {args.batches_per_commit}")
+    return args
 
 
 def digits_datasets(seed=0):
@@ -97,7 +103,7 @@ def main(argv=None):
             if rank == 0 and not args.quiet:
                 from tqdm import tqdm
                 batches = tqdm(train_loader, desc=f"epoch {epoch}", leave=False)
-            for x, y in batches:
+            for step, (x, y) in enumerate(batches, 1):
                 loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
                 loss.backward()
@@ -105,7 +111,10 @@ def main(argv=None):
                 real = len(y) - train_loader.num_padded
                 stats["train_loss"] += loss.item() * real
                 stats["train_n"] += real
-                state.commit()
+                if step % args.batches_per_commit == 0:
+                    state.commit()
+                else:
+                    state.check_host_updates()
 
             model.eval()
             with torch.no_grad():

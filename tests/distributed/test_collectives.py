@@ -23,6 +23,7 @@ def _check(reports, np, launcher):
         # Waiting a second for a late rank must not keep a core busy (Horovod's
         # own blocking wait spins: about a second of CPU here).
         assert rep["barrier_cpu_s"] < 0.25, rep
+        assert rep["after_host_check"] == np
 
 
 @pytest.mark.parametrize("np", [2, 3])

@@ -17,6 +17,15 @@ def barrier_cpu_seconds(wait=1.0):
     return time.thread_time() - started
 
 
+def host_check_outside_elastic():
+    """Only rank 0 checks for host updates: were it a collective here, the next one would hang."""
+    state = hvd_adapt.State(count=0)
+    if env.rank() == 0:
+        for _ in range(3):
+            state.check_host_updates()
+    return collective.allreduce(1)
+
+
 hvd_adapt.init()
 r, n = env.rank(), env.size()
 report({
@@ -29,4 +38,5 @@ report({
     "gather": collective.allgather_object(r * 10),
     "gather_sizes": collective.allgather_object("x" * (100 * r)),
     "barrier_cpu_s": barrier_cpu_seconds(),
+    "after_host_check": host_check_outside_elastic(),
 }, r)
