@@ -45,9 +45,11 @@ def main(argv=None):
         run(f"fixed bsz={args.large} (linear lr)", common + [
             "--batch-size", str(args.large), "--lr", str(large_lr), "--no-autoscale",
             "--max-batch-size", str(args.large), "--max-local-bsz", str(args.large)], args.repeats),
+        # The same memory bound as the fixed large run, which shows it fits.
         run(f"adaptive {args.small}..{args.large}", common + [
             "--batch-size", str(args.small), "--lr", str(args.lr),
-            "--max-batch-size", str(args.large)], args.repeats),
+            "--max-batch-size", str(args.large), "--max-local-bsz", str(args.large)],
+            args.repeats),
     ]
     print(f"\n{'run':<28} {'seconds':>8} {'epochs':>7} {'best_acc':>9} {'reached':>8}")
     for name, seconds, epochs, best in results:
