@@ -11,6 +11,8 @@ import os
 
 import horovod.torch as hvd
 
+from ._blas import cap_loaded_scipy_blas
+
 
 def init():
     """Initialise Horovod once; later calls do nothing.
@@ -21,6 +23,9 @@ def init():
     1
     """
     if not initialized():
+        if launcher() == "python":
+            # MPI_Init forks here; see _blas for what that does to BLAS threads.
+            cap_loaded_scipy_blas()
         hvd.init()
 
 

@@ -14,9 +14,10 @@ replicas give this job?" without torch or Horovod:
 """
 import collections
 import math
-import os
 
 import numpy as np
+
+from ._blas import import_scipy_optimize
 
 PerfParams = collections.namedtuple(
     "PerfParams", ["alpha_c", "beta_c", "alpha_n", "beta_n", "alpha_r", "beta_r", "gamma"])
@@ -168,29 +169,16 @@ def _objective(params, num_nodes, num_replicas, atomic_bsz, accum_time, optim_ti
 
 
 def prepare_fit():
-    """Import ``scipy.optimize`` with scipy's own BLAS pool capped at one thread; returns it.
+    """Import ``scipy.optimize`` for the fits, its BLAS at one thread; returns it.
 
-    Call it on the fitting rank before training starts: loading scipy's
-    OpenBLAS starts a thread that busy-waits for about 0.1 s, and so does the
-    first fit after a fork (MPI_Init of a single process forks one), which
-    shuts the pool down. Either, inside training, takes a core from the steps
-    around it and spoils their timing, which the next fit reads (on digits:
-    40 ms steps, and the adaptive run twice as long). A 7-parameter fit gains
-    nothing from threads. Only the BLAS inside scipy's own install is capped,
-    once and for good (raising it again starts spinning threads anew); numpy's
-    and torch's pools are left alone. Other ranks never import scipy, so a
-    worker joining a running job does not spend the job's pause on it.
+    The autoscaling rank calls it before training starts, so that loading
+    scipy (and its BLAS threads, see ``hvd_adapt._blas``) happens outside the
+    steps the profile times. Other ranks never import scipy, so a worker
+    joining a running job does not spend the job's pause on it.
     """
     global _SCIPY_OPTIMIZE
     if _SCIPY_OPTIMIZE is None:
-        import scipy
-        import scipy.optimize
-        from threadpoolctl import ThreadpoolController
-        home = os.path.dirname(scipy.__file__)
-        for lib in ThreadpoolController().lib_controllers:
-            if lib.user_api == "blas" and lib.filepath.startswith((home + os.sep, home + ".libs")):
-                lib.set_num_threads(1)
-        _SCIPY_OPTIMIZE = scipy.optimize
+        _SCIPY_OPTIMIZE = import_scipy_optimize()
     return _SCIPY_OPTIMIZE
 
 

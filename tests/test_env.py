@@ -1,4 +1,9 @@
 """env and collective in one plain process: a world of one."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import hvd_adapt
@@ -48,9 +53,30 @@ def test_object_collectives_of_one():
 
 
 def test_queries_before_init_say_so():
-    import subprocess
-    import sys
     code = ("from hvd_adapt import env\nassert not env.initialized()\n"
             "try:\n    env.rank()\nexcept ValueError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "hvd.init()" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS runs one thread on one core")
+def test_init_keeps_scipys_blas_threads_from_spinning_after_mpis_fork():
+    # scipy loaded before init (scikit-learn does it); MPI_Init of a single
+    # process forks, shutting OpenBLAS's pool down, and the next BLAS call
+    # started a thread that spun for 0.1 s (0.107 s of idle CPU measured).
+    code = textwrap.dedent("""
+        import time
+        import numpy as np
+        import scipy.linalg.blas as blas
+        import hvd_adapt
+        hvd_adapt.init()
+        a = np.asfortranarray(np.random.default_rng(0).random((400, 400)))
+        blas.dgemm(1.0, a, a)
+        cpu = time.process_time()
+        time.sleep(0.2)
+        print(time.process_time() - cpu)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    idle_cpu = float(out.stdout.strip().splitlines()[-1])
+    assert idle_cpu < 0.03, f"{idle_cpu:.3f} s of CPU while idle after a BLAS call"
