@@ -11,6 +11,7 @@ Loaded with OPENBLAS_NUM_THREADS=1 it starts none; loaded already, it is
 capped while its pool still runs (no spin), before Horovod's fork. numpy's
 and torch's pools are left alone.
 """
+import functools
 import os
 import sys
 
@@ -32,8 +33,15 @@ def cap_loaded_scipy_blas():
             lib.set_num_threads(1)
 
 
+@functools.cache
 def import_scipy_optimize():
-    """``scipy.optimize``, its BLAS loaded with one thread (or capped, if loaded before)."""
+    """``scipy.optimize``, its BLAS loaded with one thread (or capped, if loaded before).
+
+    The autoscaling rank calls it before training starts, so that loading
+    scipy happens outside the steps the profile times. Other ranks never
+    import scipy, so a worker joining a running job does not spend the job's
+    pause on it.
+    """
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     # Read by OpenBLAS once, when loaded; numpy's copy is loaded already.
     os.environ["OPENBLAS_NUM_THREADS"] = "1"

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from . import collective, env
 from .epoch import current_epoch
-from .goodput import AutoscaleConfig, prepare_fit
+from ._blas import import_scipy_optimize
+from .goodput import AutoscaleConfig
 from .metrics import StepProfile
 
 
@@ -265,7 +266,7 @@ class AdaptiveDataLoader:
         self._needs_decision = True
         if env.initialized() and env.rank() == 0:
             # The rank that fits loads scipy now rather than mid-training.
-            prepare_fit()
+            import_scipy_optimize()
 
     def _decide(self):
         """Collective: all ranks adopt rank 0's choice of (local bsz, accumulation steps)."""

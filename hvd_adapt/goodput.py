@@ -33,7 +33,6 @@ GradParams.__doc__ = """Gradient statistics: sqr = |G|^2 (squared norm of the tr
 var = tr(Sigma) / B0 (gradient variance at the initial batch size B0)."""
 
 _EPS = 1e-8
-_SCIPY_OPTIMIZE = None
 _GAMMA_BOUNDS = (1.0, 10.0)
 
 
@@ -168,20 +167,6 @@ def _objective(params, num_nodes, num_replicas, atomic_bsz, accum_time, optim_ti
     return err_accum + err_optim + reg_gamma + reg_beta
 
 
-def prepare_fit():
-    """Import ``scipy.optimize`` for the fits, its BLAS at one thread; returns it.
-
-    The autoscaling rank calls it before training starts, so that loading
-    scipy (and its BLAS threads, see ``hvd_adapt._blas``) happens outside the
-    steps the profile times. Other ranks never import scipy, so a worker
-    joining a running job does not spend the job's pause on it.
-    """
-    global _SCIPY_OPTIMIZE
-    if _SCIPY_OPTIMIZE is None:
-        _SCIPY_OPTIMIZE = import_scipy_optimize()
-    return _SCIPY_OPTIMIZE
-
-
 def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time):
     """Fit :class:`PerfParams` to measured mean step times, one entry per profiled bucket.
 
@@ -242,8 +227,8 @@ def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_
     if len(x0):
         # SLSQP, not L-BFGS-B: the same fits in half the time, and L-BFGS-B's
         # LAPACK calls woke BLAS threads that then spun for 0.1 s each fit.
-        result = prepare_fit().minimize(lambda x: _objective(unpack(x), *args), x0,
-                                        method="SLSQP", bounds=bounds)
+        result = import_scipy_optimize().minimize(lambda x: _objective(unpack(x), *args),
+                                                  x0, method="SLSQP", bounds=bounds)
         params = list(unpack(result.x))
     else:
         params = list(unpack(x0))
