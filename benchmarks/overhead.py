@@ -9,7 +9,10 @@ times after warm-up, the median over rounds of the ratio of the two loops'
 median step times (the ratio the goal is set on), and the ratio of mean step
 times (which includes the commits' snapshots).
 
-    python benchmarks/overhead.py [--steps 1200] [--commit-every 10]
+    python benchmarks/overhead.py [--steps 1200] [--commit-every 10] [--measure-noise]
+
+With ``--measure-noise`` the hvd_adapt loop also measures the gradient noise
+scale, as it does whenever the loader autoscales its batch size.
 """
 import argparse
 import json
@@ -79,7 +82,7 @@ def worker(args):
 
     def adaptive(steps):
         model, sgd = model_and_sgd()
-        opt = hvd_adapt.DistributedOptimizer(sgd)
+        opt = hvd_adapt.DistributedOptimizer(sgd, measure_noise=args.measure_noise)
         loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=args.batch_size, shuffle=True)
         stats = hvd_adapt.Accumulator()
         state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats)
@@ -120,6 +123,8 @@ def launch(np_, args):
     script = [HERE, "--worker", "--out", out, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
               "--commit-every", str(args.commit_every)]
+    if args.measure_noise:
+        script.append("--measure-noise")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
     if np_ == 1:
@@ -142,6 +147,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--procs", default="1,2")
+    parser.add_argument("--measure-noise", action="store_true",
+                        help="the hvd_adapt loop measures the gradient noise scale too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -10,8 +10,9 @@ which solve to the unbiased estimates used here (McCandlish et al., "An
 Empirical Model of Large-Batch Training", 2018; AdaptDL's estimator). The
 micro-batches are the replicas' local gradients and, with accumulation, each
 accumulation step; with one replica and no accumulation, two consecutive
-steps stand in for two replicas. Estimates are smoothed per parameter group
-by an exponential moving average with bias correction.
+steps stand in for two replicas (one such pair in every few steps). Estimates
+are smoothed per parameter group by an exponential moving average with bias
+correction, each measurement weighted by the training samples it stands for.
 """
 import numpy as np
 
@@ -34,26 +35,32 @@ class GradientNoiseScale:
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
         self.smoothing = smoothing
-        self._biased = {"sqr": np.zeros(num_groups), "trace": np.zeros(num_groups)}
+        # Row 0: |G|^2, row 1: tr(Sigma), one column per group; one array so
+        # that a step's update is a handful of numpy calls (it runs every step).
+        self._biased = np.zeros((2, num_groups))
         self._unbias = 0.0
+        self._gains = {}
         self.progress = 0.0
         self.num_updates = 0
 
-    def update(self, local_sqr, total_sqr, micro_bsz, num_micro, init_batch_size):
-        """Add one measurement; returns False (and changes nothing) for unusable input."""
-        local_sqr = np.asarray(local_sqr, dtype=float)
-        total_sqr = np.asarray(total_sqr, dtype=float)
+    def update(self, local_sqr, total_sqr, micro_bsz, num_micro, init_batch_size, samples=None):
+        """Add one measurement; returns False (and changes nothing) for unusable input.
+
+        ``samples``: the training samples this measurement stands for, which
+        sets its weight in the average (default: the ``num_micro * micro_bsz``
+        it was measured on; more when measurements skip steps)."""
         n = num_micro
-        if n < 2 or micro_bsz < 1 or not (np.all(np.isfinite(local_sqr))
-                                          and np.all(np.isfinite(total_sqr))):
+        if n < 2 or micro_bsz < 1:
             return False
-        sqr = (n * total_sqr - local_sqr) / (n - 1)
-        trace = (local_sqr - total_sqr) * micro_bsz * n / (n - 1)
+        solve = np.array([[n, -1.0], [-micro_bsz * n, micro_bsz * n]]) / (n - 1)
+        estimate = solve @ np.array((total_sqr, local_sqr), dtype=float)
+        if not np.isfinite(estimate).all():
+            return False
         # Larger batches are worth more samples: weight the average accordingly.
-        theta = self.smoothing ** (n * micro_bsz / init_batch_size)
-        self._biased["sqr"] = theta * self._biased["sqr"] + (1 - theta) * sqr
-        self._biased["trace"] = theta * self._biased["trace"] + (1 - theta) * trace
+        theta = self.smoothing ** ((n * micro_bsz if samples is None else samples) / init_batch_size)
+        self._biased = theta * self._biased + (1 - theta) * estimate
         self._unbias = theta * self._unbias + (1 - theta)
+        self._gains.clear()
         self.num_updates += 1
         return True
 
@@ -63,12 +70,12 @@ class GradientNoiseScale:
     @property
     def sqr(self):
         """Estimated |G|^2 per parameter group."""
-        return self._biased["sqr"] / max(self._unbias, 1e-300)
+        return self._biased[0] / max(self._unbias, 1e-300)
 
     @property
     def trace(self):
         """Estimated tr(Sigma) per parameter group (per-sample gradient covariance)."""
-        return self._biased["trace"] / max(self._unbias, 1e-300)
+        return self._biased[1] / max(self._unbias, 1e-300)
 
     def grad_params(self, init_batch_size):
         """Totals over all groups as :class:`GradParams` for the goodput model."""
@@ -82,6 +89,17 @@ class GradientNoiseScale:
 
     def gain(self, batch_size, init_batch_size, per_group=False):
         """AdaScale gain r = (var + sqr) / (var / scale + sqr), scale = batch_size / init_batch_size."""
+        # Asked for every step at a scaled batch, and the estimates change only
+        # on updates: a dozen small numpy calls per step are worth saving.
+        key = (batch_size, init_batch_size, per_group)
+        if key not in self._gains:
+            gain = self._gain(batch_size, init_batch_size, per_group)
+            if per_group:
+                gain.flags.writeable = False
+            self._gains[key] = gain
+        return self._gains[key]
+
+    def _gain(self, batch_size, init_batch_size, per_group):
         scale = batch_size / init_batch_size
         if per_group:
             sqr = np.maximum(self.sqr, 0.0)
@@ -93,13 +111,15 @@ class GradientNoiseScale:
         return (var + sqr) / (var / scale + sqr)
 
     def state_dict(self):
-        return {"biased": {k: v.copy() for k, v in self._biased.items()}, "unbias": self._unbias,
+        return {"biased": {"sqr": self._biased[0].copy(), "trace": self._biased[1].copy()},
+                "unbias": self._unbias,
                 "progress": self.progress, "num_updates": self.num_updates,
                 "smoothing": self.smoothing}
 
     def load_state_dict(self, state):
-        self._biased = {k: np.array(v, dtype=float) for k, v in state["biased"].items()}
+        self._biased = np.array([state["biased"]["sqr"], state["biased"]["trace"]], dtype=float)
         self._unbias = state["unbias"]
+        self._gains.clear()
         self.progress = state["progress"]
         self.num_updates = state["num_updates"]
         self.smoothing = state["smoothing"]

@@ -7,6 +7,7 @@ accumulation count that changes while training, so this wrapper keeps
 micro-batch gradients itself and averages all of them in one Horovod
 ``grouped_allreduce_`` per optimizer step.
 """
+import functools
 import time
 
 import horovod.torch as hvd
@@ -33,27 +34,62 @@ def _sqnorms(groups):
     return torch.stack(sqrs).cpu().numpy()
 
 
-def _flatten(groups):
-    """Each group's gradients as one new flat tensor, in float32 at least (a copy: the next
-    backward overwrites .grad)."""
-    flats = [torch.cat([g.reshape(-1) for g in grads]) if grads else None for grads in groups]
-    return [None if f is None else f.to(_wide(f.dtype)) for f in flats]
+# With one replica and no accumulation, the noise is measured on one pair of
+# consecutive steps in this many. On small models the measurement's cost is
+# per-call overhead that also slows the next forward and backward (caches), up
+# to a third of a step when done every step; the smoothed estimate spans
+# hundreds of steps, so sampling it loses little.
+_PAIR_EVERY = 4
 
 
-def _flat_stats(flats, previous=None):
-    """|f|^2 per group and, given the previous step's flats, f.previous per group: one sync."""
-    zero = torch.zeros((), dtype=torch.float64)
-    values = [torch.dot(f, f).double() if f is not None else zero for f in flats]
-    if previous is not None:
-        values += [torch.dot(f, q).double() if f is not None else zero
-                   for f, q in zip(flats, previous)]
-    out = torch.stack(values).cpu().numpy() if values else np.zeros(0)
-    n = len(flats)
-    return out[:n], (out[n:] if previous is not None else None)
+class _GradientPair:
+    """Two consecutive steps' gradients, flattened into the two rows of one buffer.
 
+    Storing one is a copy; their squared norms and dot product for every
+    parameter group come from one Gram matrix and one device sync.
+    """
 
-def _shapes(flats):
-    return [None if f is None else f.shape for f in flats]
+    def __init__(self):
+        self._buffer = None
+        self._sizes = None
+        self._has_first = False
+
+    def forget(self):
+        self._has_first = False
+
+    def _store(self, groups, row):
+        flat = [g.reshape(-1) for grads in groups for g in grads]
+        if not flat:
+            return False
+        sizes = [sum(g.numel() for g in grads) for grads in groups]
+        dtype = _wide(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
+        buffer = self._buffer
+        if buffer is None or self._sizes != sizes or buffer.dtype != dtype \
+                or buffer.device != flat[0].device:
+            if row == 1:
+                return False
+            buffer = self._buffer = torch.zeros((2, sum(sizes)), dtype=dtype, device=flat[0].device)
+            self._sizes = sizes
+        torch.cat(flat, out=buffer[row])
+        return True
+
+    def first(self, groups):
+        """Store the first step's gradients (one list of tensors per group)."""
+        self._has_first = self._store(groups, 0)
+
+    def second(self, groups):
+        """Store the second step's; returns ``(first_sqr, second_sqr, dots)`` per group as numpy
+        arrays, or None when there is no first step to pair with."""
+        if not (self._has_first and self._store(groups, 1)):
+            return None
+        self._has_first = False
+        if len(self._sizes) == 1:
+            gram = torch.mm(self._buffer, self._buffer.t()).unsqueeze(0)
+        else:
+            gram = torch.stack([torch.mm(part, part.t())
+                                for part in self._buffer.split(self._sizes, dim=1)])
+        gram = gram.cpu().numpy()
+        return gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -68,8 +104,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``scaling_rule`` (default: AdaScale, AdamScale for Adam-like optimizers)
     for batches above the loader's initial ``batch_size``.
 
-    The noise scale costs a few passes over the gradients per step; it is
-    measured when ``measure_noise`` is True, or (the default, None) when the
+    The noise scale costs a few passes over the gradients per step (with one
+    replica and no accumulation, on two steps in every four); it is measured when ``measure_noise`` is True, or (the default, None) when the
     loader autoscales its batch size, the one use it has there.
 
     >>> opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -95,7 +131,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stash = None
         self._micro_sqr = None
         self._micro_count = 0
-        self._previous = None
+        self._pair = _GradientPair()
+        self._single_steps = 0
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
     @property
@@ -161,7 +198,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def discard_accumulation(self):
         """Drop stashed micro-batch gradients and the previous step's (after a restore)."""
         self._discard_stash()
-        self._previous = None
+        self._pair.forget()
 
     def _synchronized_step(self, closure):
         params = self._params_with_grad()
@@ -175,7 +212,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if measuring and micro * size == 1:
             self._measure_single()
             return self._scaled_step(closure)
-        self._previous = None
+        self._pair.forget()
         last_sqr = _sqnorms(self._grads()) if measuring else None
         if self._stash is not None:
             for buf, p in zip(self._stash, params):
@@ -215,20 +252,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._micro_count = 0
 
     def _measure_single(self):
-        """One gradient per step: pair it with the previous step's, using
-        |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
-        flats = _flatten(self._grads())
-        previous = self._previous
-        paired = previous is not None and _shapes(previous[0]) == _shapes(flats)
-        sqr, dots = _flat_stats(flats, previous[0] if paired else None)
-        self._previous = (flats, sqr)
-        if not paired:
+        """One gradient per step: pair one step's gradient with the next one's, every
+        ``_PAIR_EVERY`` steps, using |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
+        phase = self._single_steps % _PAIR_EVERY
+        self._single_steps += 1
+        if phase == 0:
+            self._pair.first(self._grads())
+        if phase != 1:
             return
-        previous_sqr = previous[1]
-        local_sqr = (previous_sqr + sqr) / 2
-        total_sqr = (previous_sqr + sqr + 2 * dots) / 4
-        self.gns.update(local_sqr, total_sqr, self._loader.current_local_bsz, 2,
-                        self._loader.batch_size)
+        paired = self._pair.second(self._grads())
+        if paired is None:
+            return
+        first_sqr, second_sqr, dots = paired
+        local_bsz = self._loader.current_local_bsz
+        self.gns.update((first_sqr + second_sqr) / 2, (first_sqr + second_sqr + 2 * dots) / 4,
+                        local_bsz, 2, self._loader.batch_size, samples=_PAIR_EVERY * local_bsz)
 
     def _scaled_step(self, closure):
         loader = self._loader

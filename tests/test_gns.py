@@ -50,6 +50,9 @@ def test_optimizer_estimates_on_one_replica(accumulate):
                     args=["--accumulate"] if accumulate else []).check()
     rep = job.reports[0]
     assert rep["accum"] == (3 if accumulate else 0)
+    # 24000 samples, 16 per optimizer step; alone, one pair of steps in every
+    # _PAIR_EVERY is measured.
+    assert rep["updates"] == (1500 if accumulate else 1500 // optimizer._PAIR_EVERY)
     assert rep["sqr"] == pytest.approx(rep["true_sqr"], rel=0.10)
     assert rep["trace"] == pytest.approx(rep["true_trace"], rel=0.10)
 
@@ -57,11 +60,47 @@ def test_optimizer_estimates_on_one_replica(accumulate):
 def test_noise_measurement_keeps_half_precision_gradients_exact():
     # A bfloat16 result keeps 3 significant digits; the noise scale is the
     # small difference of two such sums, which that rounding would swamp.
-    grad = torch.randn(40000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    exact = float((grad.double() ** 2).sum())
-    grads = [[grad[:30000], grad[30000:]], []]
-    flats = optimizer._flatten(grads)
-    sqr, dots = optimizer._flat_stats(flats, flats)
-    assert sqr == pytest.approx([exact, 0.0], rel=1e-5)
-    assert dots == pytest.approx([exact, 0.0], rel=1e-5)
-    assert optimizer._sqnorms(grads) == pytest.approx([exact, 0.0], rel=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    first, second = (torch.randn(40000, generator=gen).to(torch.bfloat16) for _ in range(2))
+    pair = optimizer._GradientPair()
+    pair.first([[first[:30000], first[30000:]], []])
+    first_sqr, second_sqr, dots = pair.second([[second[:30000], second[30000:]], []])
+    assert first_sqr == pytest.approx([float((first.double() ** 2).sum()), 0.0], rel=1e-5)
+    assert second_sqr == pytest.approx([float((second.double() ** 2).sum()), 0.0], rel=1e-5)
+    assert dots == pytest.approx([float((first.double() * second.double()).sum()), 0.0],
+                                 rel=1e-4)
+    exact = float((first.double() ** 2).sum())
+    assert optimizer._sqnorms([[first[:30000], first[30000:]], []]) == pytest.approx(
+        [exact, 0.0], rel=1e-5)
+
+
+def test_gradient_pair_needs_a_first_step_of_the_same_parameters():
+    pair = optimizer._GradientPair()
+    grads = [[torch.ones(3)], [torch.full((2,), 2.0)]]
+    assert pair.second(grads) is None
+    pair.first(grads)
+    first_sqr, second_sqr, dots = pair.second(grads)
+    assert list(first_sqr) == list(second_sqr) == list(dots) == [3.0, 8.0]
+    assert pair.second(grads) is None  # a pair is used once
+    pair.first(grads)
+    pair.forget()
+    assert pair.second(grads) is None
+    pair.first(grads)
+    assert pair.second([[torch.ones(4)], [torch.ones(2)]]) is None  # other parameters
+
+
+def test_gain_follows_updates_and_restores():
+    gns = GradientNoiseScale()
+    assert gns.gain(64, 32) == 1.0
+    gns.update([5.0], [3.0], 8, 2, 32)
+    first = gns.gain(64, 32)
+    assert first > 1.0 and gns.gain(64, 32, per_group=True)[0] == pytest.approx(first)
+    gns.update([5.0], [4.9], 8, 2, 32)
+    assert gns.gain(64, 32) != first
+    restored = GradientNoiseScale()
+    restored.load_state_dict(gns.state_dict())
+    assert restored.gain(64, 32) == pytest.approx(gns.gain(64, 32))
+    gns.load_state_dict(GradientNoiseScale().state_dict())
+    assert gns.gain(64, 32) == 1.0
+    with pytest.raises(ValueError):
+        gns.gain(64, 32, per_group=True)[0] = 2.0

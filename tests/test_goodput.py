@@ -115,7 +115,7 @@ def test_fit_recovers_known_parameters(seed):
 def test_fit_pins_what_the_data_cannot_identify():
     # One node, at most two replicas, one batch size.
     fitted = fit_perf_params([1, 1], [1, 2], [32, 32], [0.1, 0.1], [0.12, 0.2])
-    assert fitted.alpha_c == pytest.approx(0.05)
+    assert fitted.alpha_c == pytest.approx(0.09)
     assert fitted.beta_r == pytest.approx(1e-8)
     # Prior: crossing nodes costs at least as much as staying on one.
     assert fitted.alpha_n >= 1.1 * fitted.alpha_r - 1e-12
@@ -174,3 +174,29 @@ def test_autoscale_hysteresis_keeps_a_close_choice():
     assert config.choose(profile, grad, 1, 2, current=best, forced=False) == best
     # Without gradient statistics nothing is measured yet: the default.
     assert config.choose(profile, None, 1, 2, current=best, forced=False) == config.default(2)
+
+
+@pytest.mark.parametrize("intercept_share", [0.84, 0.2], ids=["overhead-bound", "compute-bound"])
+def test_autoscale_from_one_measured_size_errs_towards_trying_larger_batches(intercept_share):
+    # A job starts at B0 = 32 with true step time alpha + beta * bsz, the
+    # intercept's share at 32 being 0.84 (measured on the digits example) or
+    # 0.2 (per-sample compute dominates). Each decision sees the step times of
+    # every batch tried so far. Where larger batches pay, the first decision
+    # (one size measured) must already take most of the gain; where they do
+    # not, the second (the first's batch measured too) must come back.
+    alpha = intercept_share * 1e-3
+    beta = (1 - intercept_share) * 1e-3 / 32
+    grad = GradParams(sqr=1.0, var=100.0 / 32)  # noise scale 100
+    batch = np.arange(32, 513)
+    goodput = batch / (alpha + beta * batch) * (100 + 32) / (100 + batch)
+    config = AutoscaleConfig.create(32, 512, (8, 512), gradient_accumulation=False)
+    profile = StepProfile()
+    choice, relative = (32, 0), []
+    for _ in range(2):
+        for _ in range(8):
+            profile.record(1, 1, choice[0], alpha + beta * choice[0], optim=True)
+        choice = config.choose(profile, grad, 1, 1, current=choice, forced=False)
+        relative.append(goodput[choice[0] - 32] / goodput.max())
+    if intercept_share > 0.5:
+        assert relative[0] >= 0.95, relative
+    assert relative[1] >= 0.97, relative
