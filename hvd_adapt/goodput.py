@@ -203,10 +203,17 @@ def fit_perf_params(num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_
     init = np.array([mean_accum * share, mean_accum * (1 - share) / float(np.mean(bsz)),
                      comm, comm / 10, comm, comm / 10, 1.0 + 1e-3])
     free = np.ones(7, dtype=bool)
-    fixed = init.copy()
     if len(np.unique(bsz)) == 1:
         # One atomic batch size cannot separate intercept from slope.
         free[0] = False
+    else:
+        # Start from the straight line through the compute times (least
+        # relative error, as the objective measures it): SLSQP then needs a
+        # few iterations instead of twenty.
+        (alpha, beta), *_ = np.linalg.lstsq(np.stack([1 / accum, bsz / accum], axis=1),
+                                            np.ones_like(accum), rcond=None)
+        init[:2] = max(alpha, mean_accum * 1e-3), max(beta, mean_accum * 1e-3 / np.max(bsz))
+    fixed = init.copy()
     if not np.any(nodes > 1):
         free[2:4] = False
         fixed[2:4] = _EPS
