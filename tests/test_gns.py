@@ -70,7 +70,7 @@ def test_noise_measurement_keeps_half_precision_gradients_exact():
     assert dots == pytest.approx([float((first.double() * second.double()).sum()), 0.0],
                                  rel=1e-4)
     exact = float((first.double() ** 2).sum())
-    assert optimizer._sqnorms([[first[:30000], first[30000:]], []]) == pytest.approx(
+    assert optimizer._sqnorms([[first[:30000], first[30000:]], []]).numpy() == pytest.approx(
         [exact, 0.0], rel=1e-5)
 
 
@@ -104,3 +104,17 @@ def test_gain_follows_updates_and_restores():
     assert gns.gain(64, 32) == 1.0
     with pytest.raises(ValueError):
         gns.gain(64, 32, per_group=True)[0] = 2.0
+
+
+def test_local_norms_travel_in_the_gradients_dtype_when_it_holds_them():
+    def params(*dtypes):
+        out = []
+        for dtype in dtypes:
+            p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+            p.grad = torch.ones(2, dtype=dtype)
+            out.append(p)
+        return out
+    assert optimizer._stats_dtype(params(torch.float32, torch.float32)) == torch.float32
+    assert optimizer._stats_dtype(params(torch.float64)) == torch.float64
+    assert optimizer._stats_dtype(params(torch.bfloat16)) == torch.float64
+    assert optimizer._stats_dtype(params(torch.float32, torch.float16)) == torch.float64
