@@ -141,8 +141,11 @@ class GoodputFunction:
         min_batch = np.maximum(self.init_batch_size, lo * replicas)
         top = np.maximum(max_batch_size, min_batch)
         # 64 geometric steps keep the search under a millisecond and within
-        # about 1% of the best batch size.
-        batch = np.geomspace(min_batch, top, num=64)
+        # about 1% of the best batch size; the largest batch a step holds
+        # without accumulating is a candidate too, since where bigger is
+        # better that bound is the answer, and a user who set it expects it.
+        batch = np.concatenate([np.geomspace(min_batch, top, num=64),
+                                np.clip(hi * replicas, min_batch, top)[None]])
         local = batch / replicas
         if accumulation:
             accum = np.maximum(np.ceil(local / hi - 1e-8) - 1, 0)

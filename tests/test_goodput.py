@@ -62,6 +62,15 @@ def test_optimize_finds_the_best_of_a_brute_force_search():
     assert goodput >= 0.98 * best
 
 
+def test_optimize_reaches_the_atomic_bound_exactly_where_bigger_is_better():
+    # Noise-dominated gradients and a step time all intercept: goodput grows
+    # with the batch, so the answer is the largest batch without accumulation.
+    fn = GoodputFunction(PerfParams(0.01, 1e-9, 1e-8, 1e-8, 1e-8, 1e-8, 1.0),
+                         GradParams(sqr=1e-6, var=1.0), 32)
+    for replicas in (1, 3):
+        assert fn.optimize(1, replicas, 512, (8, 128), accumulation=True)[1:] == (128, 0)
+
+
 def test_optimize_vectorised_and_for_worlds_not_yet_had():
     fn = next(random_functions(3))
     replicas = np.array([1, 2, 4, 8, 1024])
