@@ -35,9 +35,9 @@ def _sqnorms(groups):
 
 def _stats_dtype(params):
     """The dtype to allreduce the local norms in: the gradients' own where it holds a squared
-    norm (Horovod fuses one dtype into one buffer; a float64 tensor beside float32 gradients
-    was a second allreduce every step, 1.17-1.24x the step time at two processes here against
-    0.99-1.12), float64 otherwise."""
+    norm, float64 otherwise. Horovod fuses one dtype into one buffer: a float64 tensor beside
+    float32 gradients was a second allreduce every step (``benchmarks/overhead.py
+    --measure-noise`` at two processes: 1.10-1.24 against 1.01-1.08)."""
     dtypes = {p.grad.dtype for p in params}
     if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
         return dtypes.pop()
@@ -115,8 +115,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     for batches above the loader's initial ``batch_size``.
 
     The noise scale costs a few passes over the gradients per step (with one
-    replica and no accumulation, on two steps in every four); it is measured when ``measure_noise`` is True, or (the default, None) when the
-    loader autoscales its batch size, the one use it has there.
+    replica and no accumulation, on two steps in every four); it is measured
+    when ``measure_noise`` is True, or (the default, None) when the loader
+    autoscales its batch size, the one use it has there.
 
     >>> opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     >>> loss.backward(); opt.step(); opt.zero_grad()
