@@ -320,6 +320,13 @@ class AutoscaleConfig:
         if grad_params is None or len(profile) == 0:
             return self.default(num_replicas)
         data = profile.arrays()
+        here = (data["num_nodes"] == num_nodes) & (data["num_replicas"] == num_replicas)
+        if len(np.unique(data["atomic_bsz"][here])) >= 2:
+            # The model's compute time is the same in every world, which
+            # replicas sharing cores or memory bandwidth break (2-3 replicas
+            # on 2 cores measured 4-30x one replica's steps). The choice is
+            # for this world: once it has measured two sizes, fit to it alone.
+            data = {key: values[here] for key, values in data.items()}
         perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
                                data["accum_step_time"], data["optim_step_time"])
         fn = GoodputFunction(perf, grad_params, self.init_batch_size)
