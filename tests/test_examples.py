@@ -51,3 +51,18 @@ def test_bert_pretrain_checkpoints_and_resumes(tmp_path):
     # Same data, same masks, same LR schedule: the resumed run repeats step 6 exactly.
     assert re.search(r"step +6 +loss ([0-9.]+)", resumed).group(1) == first_step6
     assert "done after 6 steps" in resumed
+
+
+@pytest.mark.distributed
+@pytest.mark.elastic
+def test_elastic_demo_script_grows_and_shrinks(tmp_path):
+    # The README's command, on a short schedule: 1 -> 2 -> 1 workers.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               HVD_ADAPT_DEMO_DIR=str(tmp_path), HVD_ADAPT_DEMO_SCHEDULE="1 2 1",
+               HVD_ADAPT_DEMO_EPOCHS_PER_SIZE="1")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "elastic", "run_elastic.sh"),
+                           "--samples", "512"], capture_output=True, text=True, timeout=180,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sizes = re.findall(r"^epoch (\d+): replicas=(\d+) .* bsz=\d+", proc.stdout, re.M)
+    assert sizes == [("0", "1"), ("1", "2"), ("2", "1")], proc.stdout + proc.stderr
