@@ -316,7 +316,8 @@ class AutoscaleConfig:
 
     def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         """(atomic_bsz, accum_steps) for the next steps; ``current`` is kept unless beaten by
-        more than ``hysteresis`` (or ``forced``, after a resize)."""
+        more than ``hysteresis`` (or ``forced``, after a resize). The throughput model is fitted
+        to every world's steps, or to this world's alone once it has two batch sizes of its own."""
         if grad_params is None or len(profile) == 0:
             return self.default(num_replicas)
         data = profile.arrays()
