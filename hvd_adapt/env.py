@@ -12,6 +12,7 @@ import os
 import horovod.torch as hvd
 
 from ._blas import cap_loaded_scipy_blas
+from ._threads import share_cpu_threads
 
 
 def init():
@@ -27,6 +28,7 @@ def init():
             # MPI_Init forks here; see _blas for what that does to BLAS threads.
             cap_loaded_scipy_blas()
         hvd.init()
+        share_cpu_threads(hvd.local_size(), hvd.local_rank())
 
 
 def initialized():

@@ -22,6 +22,7 @@ from horovod.torch.elastic.state import StateHandler, TorchState
 from horovod.torch.functions import broadcast_optimizer_state, broadcast_parameters
 
 from . import _context, collective, env
+from ._threads import share_cpu_threads
 from .accumulator import Accumulator, flush
 from .data import AdaptiveDataLoader, ElasticSampler
 from .epoch import EpochCounter
@@ -278,6 +279,7 @@ class State(TorchState):
         # totals and batch-size choices come from one rank. Collectives are
         # not allowed here: a new worker does not pass through this callback.
         self._needs_resync = True
+        share_cpu_threads(env.local_size(), env.local_rank())
         for loader in self._loaders:
             loader.request_decision()
         for opt in self._optimizers:

@@ -21,7 +21,12 @@ def launch_env(out_dir, extra=None):
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", HVD_ADAPT_TEST_OUT=out_dir,
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        # None removes a variable the defaults above set.
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 

@@ -37,14 +37,14 @@ def discovery_script(out_dir, schedule):
     return path
 
 
-def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180):
+def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180, env=None):
     out_dir = tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
     command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
                "--max-np", str(max_np), "--network-interface", "lo",
                "--host-discovery-script", discovery_script(out_dir, schedule),
                sys.executable, os.path.join(WORKERS, "elastic_train.py"),
                "--samples", str(SAMPLES)] + [str(a) for a in worker_args]
-    job = run_job(command, out_dir=out_dir, timeout=timeout)
+    job = run_job(command, out_dir=out_dir, timeout=timeout, env=env)
     return (job,) + read_logs(out_dir)
 
 
@@ -67,10 +67,17 @@ def test_resize_2_3_1_2_exactly_once(autoscale):
     args = ["--epochs", "3", "--batch-size", "8", "--wait-steps", "[4, 8, 12]"]
     if autoscale:
         args.append("--autoscale")
-    job, commits, epochs = run_elastic(schedule, np=2, min_np=1, max_np=3, worker_args=args)
+    # Without OMP_NUM_THREADS torch's threads follow the world: each of the
+    # replicas on this host gets its share of the CPUs, again after each resize.
+    env = {"OMP_NUM_THREADS": None} if autoscale else None
+    job, commits, epochs = run_elastic(schedule, np=2, min_np=1, max_np=3, worker_args=args,
+                                       env=env)
     job.check()
     assert sizes_in_order(commits) == [2, 3, 1, 2], sizes_in_order(commits)
     check_exactly_once(commits, epochs, 3)
+    for entry in commits:
+        share = min(entry["threads_before"], max(1, entry["cpus"] // entry["size"]))
+        assert entry["threads"] == (share if autoscale else 1), entry
     if autoscale:
         by_step = collections.defaultdict(set)
         for entry in commits:

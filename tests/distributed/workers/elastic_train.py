@@ -72,6 +72,7 @@ def main():
     args = parser.parse_args()
 
     hvd_adapt.register_handler(CommitLog, CommitLogHandler)
+    threads_before = torch.get_num_threads()
     hvd_adapt.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -104,7 +105,10 @@ def main():
                                     "size": hvd.size(), "step": state.step,
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
-                                    "optim": loader.is_optim_step(), "time": time.time()})
+                                    "optim": loader.is_optim_step(), "time": time.time(),
+                                    "threads": torch.get_num_threads(),
+                                    "threads_before": threads_before,
+                                    "cpus": len(os.sched_getaffinity(0))})
                 if loader.is_optim_step():
                     state.step += 1
                 state.commit()
