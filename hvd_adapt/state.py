@@ -209,6 +209,9 @@ class State(TorchState):
         self._drain = None
         self.register_reset_callbacks([self._after_reset])
         _context.set_state(self)
+        if env.initialized():
+            # For scripts that called hvd.init() rather than hvd_adapt.init().
+            share_cpu_threads(env.local_size(), env.local_rank())
 
     @property
     def epoch(self):

@@ -21,6 +21,11 @@ def test_each_replica_gets_its_share_of_the_cpus(launcher, np):
         assert job.reports[0]["after"] == job.reports[0]["before"]
 
 
+def test_scripts_that_call_hvd_init_themselves_get_it_with_their_state():
+    job = run_ranks("threads.py", np=2, args=["--hvd-init"], env={"OMP_NUM_THREADS": None}).check()
+    assert all(r["after"] == share(r) for r in job.reports.values()), job.reports
+
+
 def test_omp_num_threads_is_left_alone():
     job = run_ranks("threads.py", np=2, env={"OMP_NUM_THREADS": "2"}).check()
     assert all(r["before"] == r["after"] == 2 for r in job.reports.values()), job.reports
