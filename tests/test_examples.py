@@ -31,6 +31,20 @@ def test_digits_reaches_95_percent_single_process(tmp_path):
     assert re.findall(r"^epoch +(\d+)", resumed, re.M) == ["8"]
 
 
+@pytest.mark.parametrize("by_progress", [False, True], ids=["one-pass", "by-progress"])
+def test_digits_epochs_by_progress(by_progress):
+    # Batches grow past 32 after 50 steps; an epoch by progress then counts a
+    # large batch's gain and covers more than one pass of the 1437 samples.
+    out = run([DIGITS, "--epochs", "3", "--quiet", "--max-local-bsz", "512"]
+              + (["--epochs-by-progress"] if by_progress else []))
+    samples = [int(n) for n in re.findall(r"^epoch +\d+  samples (\d+)", out, re.M)]
+    assert len(samples) == 3 and samples[0] == 1437, out
+    if by_progress:
+        assert max(samples[1:]) > 1437, out
+    else:
+        assert samples == [1437] * 3, out
+
+
 @pytest.mark.distributed
 def test_digits_on_two_processes():
     job = run_job(horovodrun_command(2, [DIGITS, "--epochs", "4", "--quiet"])).check()

@@ -33,6 +33,9 @@ def parse_args(argv=None):
                         help="largest batch one replica may load at once (memory bound)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--no-autoscale", action="store_true", help="keep the batch size fixed")
+    parser.add_argument("--epochs-by-progress", action="store_true",
+                        help="an epoch lasts one pass's worth of progress at the initial batch "
+                             "size (AdaScale gain counted), not one pass")
     parser.add_argument("--batches-per-commit", type=int, default=10,
                         help="batches between commits of the elastic state (hosts are checked "
                              "after every batch)")
@@ -79,7 +82,8 @@ def main(argv=None):
     if not args.no_autoscale:
         train_loader.autoscale_batch_size(args.max_batch_size,
                                           local_bsz_bounds=(8, args.max_local_bsz),
-                                          gradient_accumulation=True)
+                                          gradient_accumulation=True,
+                                          epochs_by_progress=args.epochs_by_progress)
     val_loader = hvd_adapt.AdaptiveDataLoader(val_set, batch_size=256)
     stats = hvd_adapt.Accumulator()
     state = hvd_adapt.State(model=model, optimizer=opt, loader=train_loader,
@@ -128,7 +132,8 @@ def main(argv=None):
                 accuracy = stats["val_correct"] / stats["val_n"]
                 state.best_accuracy = max(state.best_accuracy, accuracy)
                 if rank == 0:
-                    print(f"epoch {epoch:3d}  train_loss {stats['train_loss'] / stats['train_n']:.4f}"
+                    print(f"epoch {epoch:3d}  samples {stats['train_n']}"
+                          f"  train_loss {stats['train_loss'] / stats['train_n']:.4f}"
                           f"  val_loss {stats['val_loss'] / stats['val_n']:.4f}"
                           f"  val_acc {accuracy:.4f}  {train_loader.progress_line()}"
                           f"  {time.time() - started:.1f}s", flush=True)
