@@ -38,7 +38,7 @@ def share_cpu_threads(local_size, local_rank):
     if share != current:
         torch.set_num_threads(share)
         if share < current and local_rank == 0:
-            print(f"hvd_adapt: {local_size} replicas share this node's {_usable_cpus()} "
-                  f"CPUs; torch uses {share} thread(s) in each (OMP_NUM_THREADS overrides)",
+            print(f"hvd_adapt: {local_size} replica(s) on this node, {_usable_cpus()} usable "
+                  f"CPUs: torch uses {share} thread(s) in each (OMP_NUM_THREADS overrides)",
                   file=sys.stderr, flush=True)
     _ours = share
