@@ -39,3 +39,11 @@ def test_time_to_accuracy():
 def test_resize_latency():
     out = bench("resize_latency.py", "--schedule", "1 2", "--samples", "256", timeout=180)
     assert re.search(r"^ +1 +2 +[0-9.]+", out, re.M) and re.search(r"^max_pause_s=", out, re.M)
+
+
+def test_time_to_accuracy_fine():
+    out = bench("time_to_accuracy_fine.py", "--repeats", "1", "--max-epochs", "3", "--targets",
+                "0.8,0.9")
+    assert len(re.findall(r"^ +0\.[89] +[0-9.inf]+ +[0-9.inf]+ +[0-9.inf]+ +[0-9.inf]+$", out,
+                          re.M)) == 2, out
+    assert re.search(r"^worst_adaptive_vs_best_fixed=[0-9.]+", out, re.M), out
