@@ -23,7 +23,8 @@ import contextlib
 import copy
 import numbers
 
-from . import collective
+from ._runtime import collective
+from .elastic.participant import Participant
 
 
 def _as_number(value, key):
@@ -37,8 +38,17 @@ def _as_number(value, key):
     return value
 
 
-class Accumulator(collections.abc.MutableMapping):
-    """Metrics summed over replicas with one Horovod collective per synchronisation."""
+class Accumulator(collections.abc.MutableMapping, Participant):
+    """Metrics summed over replicas with one Horovod collective per synchronisation.
+
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> stats = Accumulator()
+    >>> stats["n"] += 3
+    >>> with stats.synchronized():
+    ...     stats["n"]
+    3
+    """
 
     def __init__(self, *args, **kwargs):
         self._totals = {k: _as_number(v, k) for k, v in dict(*args, **kwargs).items()}
@@ -73,6 +83,12 @@ class Accumulator(collections.abc.MutableMapping):
     def __delitem__(self, key):
         del self._view()[key]
 
+    def __contains__(self, key):
+        return key in self._view()
+
+    def get(self, key, default=None):
+        return self._view().get(key, default)
+
     def __iter__(self):
         return iter(self._view())
 
@@ -96,9 +112,19 @@ class Accumulator(collections.abc.MutableMapping):
         self._totals = copy.deepcopy(state["totals"])
         self._updates = copy.deepcopy(state["pending"])
 
-    def load_totals(self, totals):
-        """Replace the totals (from rank 0, on sync), keeping this replica's pending updates."""
-        self._totals = copy.deepcopy(totals)
+    def pending(self):
+        """This replica's updates since the last synchronisation (a copy)."""
+        return dict(self._updates)
+
+    def absorb(self, summed):
+        """Add ``summed`` (every replica's pending updates, summed) to the totals; clear pending."""
+        self._updates = {}
+        for key, value in summed.items():
+            self._totals[key] = self._totals.get(key, 0) + value
+
+    def sync_from_root(self):
+        """Collective: take rank 0's totals, keeping this replica's pending updates."""
+        self._totals = collective.broadcast_object(self._totals, name="hvd_adapt.sync.totals")
 
 
 def flush(accumulators):
@@ -107,10 +133,10 @@ def flush(accumulators):
     One allgather for all of them; nothing changes if the collective fails.
     """
     pending = {(i, key): value for i, acc in enumerate(accumulators)
-               for key, value in acc._updates.items()}
+               for key, value in acc.pending().items()}
     summed = collective.allreduce(pending)
-    for acc in accumulators:
-        acc._updates = {}
+    by_accumulator = [{} for _ in accumulators]
     for (i, key), value in summed.items():
-        totals = accumulators[i]._totals
-        totals[key] = totals.get(key, 0) + value
+        by_accumulator[i][key] = value
+    for acc, totals in zip(accumulators, by_accumulator):
+        acc.absorb(totals)

@@ -13,8 +13,15 @@ def probe_max_local_bsz(step, start=1, limit=4096, safety=0.9):
     by ``safety`` to leave room for fragmentation. Pass it as the upper bound
     of ``local_bsz_bounds``. Errors other than out-of-memory propagate.
 
-    >>> hi = probe_max_local_bsz(lambda b: model(torch.randn(b, 3, 224, 224)).sum().backward())
-    >>> loader.autoscale_batch_size(4096, local_bsz_bounds=(16, hi))
+    A step that runs out of memory above 300 samples:
+
+    >>> def step(b):
+    ...     if b > 300:
+    ...         raise RuntimeError("CUDA out of memory")
+    >>> probe_max_local_bsz(step, safety=1.0)
+    300
+
+    Then ``loader.autoscale_batch_size(4096, local_bsz_bounds=(16, hi))``.
     """
     if start < 1 or limit < start:
         raise ValueError(f"need 1 <= start <= limit, got start={start!r}, limit={limit!r}")

@@ -1,25 +1,23 @@
-"""Optional TensorBoard export of what the loader and optimizer decided and measured."""
-from . import env
+"""Optional TensorBoard export of what the autoscaling controller decided and measured."""
+from ._runtime import env
 
 
-def write_loader_metrics(loader, writer, step, tag_prefix="hvd_adapt"):
-    """Write batch sizes, accumulation, gain, noise scale and throughput at ``step``.
+def write_metrics(metrics, writer, step, tag_prefix="hvd_adapt"):
+    """Write each scalar of ``metrics`` (a dict) as ``{tag_prefix}/{name}`` at ``step``.
 
     ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` (or anything
-    with ``add_scalar``); only rank 0 writes.
+    with ``add_scalar``); only rank 0 writes. ``loader.to_tensorboard(writer,
+    step)`` passes the loader's batch sizes, gain, noise scale and throughput.
+
+    >>> class Printer:
+    ...     def add_scalar(self, tag, value, step):
+    ...         print(tag, value, step)
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> write_metrics({"batch_size": 256}, Printer(), step=10)
+    hvd_adapt/batch_size 256 10
     """
     if env.rank() != 0:
         return
-    local, accum = loader.current_local_bsz, loader.accumulation_steps
-    scalars = {"batch_size": loader.current_batch_size, "local_bsz": local,
-               "accumulation_steps": accum, "replicas": env.size()}
-    rate = loader.profile.throughput(env.num_nodes(), env.size(), local, accum)
-    if rate:
-        scalars["samples_per_second"] = rate
-    opt = loader._optimizer
-    if opt is not None and opt.gns.has_estimate():
-        scalars["gain"] = opt.gns.gain(loader.current_batch_size, loader.batch_size)
-        scalars["noise_scale"] = opt.gns.noise_scale()
-        scalars["progress"] = opt.gns.progress
-    for name, value in scalars.items():
+    for name, value in metrics.items():
         writer.add_scalar(f"{tag_prefix}/{name}", value, step)

@@ -16,6 +16,7 @@ position, LR schedule), --max-steps, and validation loss after each epoch.
         --host-discovery-script examples/elastic/discover.sh python examples/bert_pretrain/train.py
 """
 import argparse
+import logging
 import math
 import os
 import time
@@ -111,6 +112,9 @@ def latest_checkpoint(directory):
 
 def main(argv=None):
     args = parse_args(argv)
+    # hvd_adapt logs its batch-size decisions at INFO on rank 0.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hvd_adapt").setLevel(logging.INFO)
     hvd_adapt.init()
     rank = hvd_adapt.env.rank()
     torch.manual_seed(0)

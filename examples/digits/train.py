@@ -13,6 +13,7 @@ outright resumes where it stopped.
         python examples/digits/train.py                    # elastic
 """
 import argparse
+import logging
 import time
 
 import numpy as np
@@ -70,6 +71,9 @@ def make_model():
 
 def main(argv=None):
     args = parse_args(argv)
+    # hvd_adapt logs its batch-size decisions at INFO on rank 0.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hvd_adapt").setLevel(logging.INFO)
     hvd_adapt.init()
     rank = hvd_adapt.env.rank()
     torch.manual_seed(0)

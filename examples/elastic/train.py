@@ -8,6 +8,7 @@ for it. ``--step-log`` writes rank 0's step times and the moments resizes
 were signalled, for benchmarks/resize_latency.py.
 """
 import argparse
+import logging
 import json
 import os
 import time
@@ -43,6 +44,9 @@ def main():
     schedule = os.environ.get("HVD_ADAPT_DEMO_SCHEDULE", "1 2 3 2 1").split()
     epochs = len(schedule) * int(os.environ.get("HVD_ADAPT_DEMO_EPOCHS_PER_SIZE", "2"))
 
+    # hvd_adapt logs its batch-size decisions at INFO on rank 0.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hvd_adapt").setLevel(logging.INFO)
     hvd_adapt.init()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 32, generator=gen)

@@ -2,7 +2,7 @@
 import time
 
 import hvd_adapt
-from hvd_adapt import collective, env
+from hvd_adapt._runtime import collective, env
 
 from _report import report
 

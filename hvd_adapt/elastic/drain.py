@@ -1,55 +1,18 @@
-"""``run``: Horovod's elastic loop with hvd_adapt's resets; and the SIGTERM drain.
-
-Under ``horovodrun`` in elastic mode, ``run`` is ``hvd.elastic.run``: a
-failed collective restores the last commit, a host change raises at
-``commit()``, and either way Horovod re-forms the world and calls the
-training function again. hvd_adapt adds that after every reset the rest of
-the epoch is re-partitioned over the new world and the batch size is
-decided again, whether or not Horovod skipped its sync. Anywhere else (plain
-``python``, ``mpirun``, non-elastic ``horovodrun``) it syncs once from rank 0
-and calls the function.
+"""The SIGTERM drain: on preemption, every replica stops at the same commit, rank 0
+writes the checkpoint, and all exit with 143 (128 + SIGTERM), as schedulers expect.
 """
-import functools
+import logging
 import signal
 import sys
 
 import horovod.torch as hvd
 import torch
 
-from . import _context, env
+from .._runtime import collective, env
+
+log = logging.getLogger(__name__)
 
 DRAIN_EXIT_CODE = 143
-
-
-def run(func):
-    """Decorate ``train(state, ...)`` so it survives resizes and failures.
-
-    >>> @hvd_adapt.run
-    ... def train(state):
-    ...     for epoch in hvd_adapt.remaining_epochs_until(10):
-    ...         for x, y in loader:
-    ...             ...
-    ...             state.commit()
-    >>> train(state)
-    """
-    @functools.wraps(func)
-    def attempt(state, *args, **kwargs):
-        _context.set_state(state)
-        if state._needs_resync:
-            state._resync_light()
-        return func(state, *args, **kwargs)
-
-    elastic = hvd.elastic.run(attempt)
-
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        env.init()
-        if env.is_elastic():
-            return elastic(state, *args, **kwargs)
-        state.sync()
-        return attempt(state, *args, **kwargs)
-
-    return wrapper
 
 
 class Drain:
@@ -100,18 +63,27 @@ class Drain:
                 self._pending = None
             if self.checkpoint_path is not None:
                 state.save_checkpoint(self.checkpoint_path)
+            # The others exit only once rank 0's file is on disk: launchers
+            # kill the remaining workers as soon as one exits non-zero.
+            collective.barrier(name="hvd_adapt.drain_done")
             if env.rank() == 0:
-                print(f"hvd_adapt: SIGTERM received; stopped at epoch {state.epoch} "
-                      f"and exited with {DRAIN_EXIT_CODE}", file=sys.stderr, flush=True)
+                log.warning("SIGTERM received; stopped at epoch %d and exited with %d",
+                            state.epoch, DRAIN_EXIT_CODE)
             sys.exit(DRAIN_EXIT_CODE)
 
 
 def install_sigterm_drain(state, checkpoint_path=None):
     """Install a SIGTERM handler that drains the job at the next commit; returns the Drain.
 
-    >>> hvd_adapt.install_sigterm_drain(state, checkpoint_path="ckpt/job.pt")
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> state = hvd_adapt.State()
+    >>> drain = hvd_adapt.install_sigterm_drain(state, checkpoint_path="ckpt/job.pt")
+    >>> drain.requested
+    False
+    >>> drain.uninstall()
     """
     drain = Drain(checkpoint_path)
     drain.install()
-    state._drain = drain
+    state.set_drain(drain)
     return drain

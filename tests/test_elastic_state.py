@@ -232,7 +232,7 @@ def test_commits_reuse_snapshot_buffers_and_restore_copies_them():
 
 
 def test_flat_sequences_are_snapshotted_without_copying_each_item():
-    from hvd_adapt.state import _snapshot
+    from hvd_adapt.elastic.handlers import snapshot as _snapshot
     times = tuple(0.001 * i for i in range(64))
     flat = [1, 2.5, "x", None]
     snap = _snapshot({"times": times, "flat": flat, "nested": [flat, (torch.ones(2),)]})

@@ -11,10 +11,11 @@ was in, and a loader in that loop resumes mid-epoch::
                 ...
                 state.commit()
 """
-from . import _context
+from .._runtime.context import CONTEXT
+from .participant import Participant
 
 
-class EpochCounter:
+class EpochCounter(Participant):
     """The epoch a job is in; saved, restored and synced as part of the State."""
 
     def __init__(self):
@@ -37,6 +38,9 @@ def remaining_epochs_until(epoch, checkpoint=None):
     resizes take effect), and writes it to ``checkpoint`` if given, so a
     restart never repeats a finished epoch.
 
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> state = hvd_adapt.State()
     >>> for epoch in remaining_epochs_until(3):
     ...     print(epoch)
     0
@@ -45,7 +49,7 @@ def remaining_epochs_until(epoch, checkpoint=None):
     """
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"remaining_epochs_until expects an int >= 0, got {epoch!r}")
-    state = _context.get_state()
+    state = CONTEXT.state
     if state is None:
         raise RuntimeError("remaining_epochs_until needs an hvd_adapt.State: create one before the loop")
     counter = state.epochs
@@ -63,7 +67,7 @@ def remaining_epochs_until(epoch, checkpoint=None):
 
 def current_epoch():
     """The epoch of the running ``remaining_epochs_until`` loop, or None outside one."""
-    state = _context.get_state()
+    state = CONTEXT.state
     if state is None or not state.epochs.in_loop:
         return None
     return state.epochs.epoch

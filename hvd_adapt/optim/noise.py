@@ -13,10 +13,16 @@ accumulation step; with one replica and no accumulation, two consecutive
 steps stand in for two replicas (one such pair in every few steps). Estimates
 are smoothed per parameter group by an exponential moving average with bias
 correction, each measurement weighted by the training samples it stands for.
-"""
-import numpy as np
 
-from .goodput import GradParams
+The estimator is numpy; the helpers below it take the measurements from
+torch gradients on their own device.
+"""
+import functools
+
+import numpy as np
+import torch
+
+from ..goodput import GradParams
 
 _MIN_TRACE = 1e-12
 
@@ -123,3 +129,86 @@ class GradientNoiseScale:
         self.progress = state["progress"]
         self.num_updates = state["num_updates"]
         self.smoothing = state["smoothing"]
+
+
+def wide_dtype(dtype):
+    # Half-precision sums over long vectors lose most of their digits.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def group_sqnorms(groups):
+    """Squared L2 norm of each group's tensors together: a float64 tensor on their device, so
+    that measuring costs no device sync until the step's results are read together."""
+    device = next((g.device for grads in groups for g in grads), "cpu")
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([torch.stack([torch.linalg.vector_norm(g, dtype=wide_dtype(g.dtype))
+                                     for g in grads]).double().pow(2).sum() if grads else zero
+                        for grads in groups])
+
+
+def stats_dtype(params):
+    """The dtype to allreduce the local norms in: the gradients' own where it holds a squared
+    norm, float64 otherwise. Horovod fuses one dtype into one buffer: a float64 tensor beside
+    float32 gradients was a second allreduce every step (see ``benchmarks/RESULTS.md``)."""
+    dtypes = {p.grad.dtype for p in params}
+    if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
+        return dtypes.pop()
+    return torch.float64
+
+
+# With one replica and no accumulation, the noise is measured on one pair of
+# consecutive steps in this many. On small models the measurement's cost is
+# per-call overhead that also slows the next forward and backward (caches), up
+# to a third of a step when done every step; the smoothed estimate spans
+# hundreds of steps, so sampling it loses little.
+PAIR_EVERY = 4
+
+
+class GradientPair:
+    """Two consecutive steps' gradients, flattened into the two rows of one buffer.
+
+    Storing one is a copy; their squared norms and dot product for every
+    parameter group come from one Gram matrix and one device sync.
+    """
+
+    def __init__(self):
+        self._buffer = None
+        self._sizes = None
+        self._has_first = False
+
+    def forget(self):
+        self._has_first = False
+
+    def _store(self, groups, row):
+        flat = [g.reshape(-1) for grads in groups for g in grads]
+        if not flat:
+            return False
+        sizes = [sum(g.numel() for g in grads) for grads in groups]
+        dtype = wide_dtype(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
+        buffer = self._buffer
+        if buffer is None or self._sizes != sizes or buffer.dtype != dtype \
+                or buffer.device != flat[0].device:
+            if row == 1:
+                return False
+            buffer = self._buffer = torch.zeros((2, sum(sizes)), dtype=dtype, device=flat[0].device)
+            self._sizes = sizes
+        torch.cat(flat, out=buffer[row])
+        return True
+
+    def first(self, groups):
+        """Store the first step's gradients (one list of tensors per group)."""
+        self._has_first = self._store(groups, 0)
+
+    def second(self, groups):
+        """Store the second step's; returns ``(first_sqr, second_sqr, dots)`` per group as numpy
+        arrays, or None when there is no first step to pair with."""
+        if not (self._has_first and self._store(groups, 1)):
+            return None
+        self._has_first = False
+        if len(self._sizes) == 1:
+            gram = torch.mm(self._buffer, self._buffer.t()).unsqueeze(0)
+        else:
+            gram = torch.stack([torch.mm(part, part.t())
+                                for part in self._buffer.split(self._sizes, dim=1)])
+        gram = gram.cpu().numpy()
+        return gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1]

@@ -10,25 +10,35 @@ called on every step, so they add no checks of their own.
 import os
 
 import horovod.torch as hvd
+import torch
 
-from ._blas import cap_loaded_scipy_blas
-from ._threads import share_cpu_threads
+from .blas import cap_loaded_scipy_blas
+from .threads import share_cpu_threads
 
 
-def init():
-    """Initialise Horovod once; later calls do nothing.
+def init(comm=None):
+    """Initialise Horovod once (later calls do nothing) and set this replica up.
+
+    ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
+    ranks) to run this job on a subset of an ``mpirun`` world. Afterwards
+    torch's CPU threads are shared among the node's replicas (see
+    ``_runtime/threads.py``) and, where CUDA is available, the replica's
+    device is ``cuda:local_rank``, as Horovod's examples set it.
 
     >>> import hvd_adapt
     >>> hvd_adapt.init()
     >>> hvd_adapt.env.size()
     1
     """
-    if not initialized():
-        if launcher() == "python":
-            # MPI_Init forks here; see _blas for what that does to BLAS threads.
-            cap_loaded_scipy_blas()
-        hvd.init()
-        share_cpu_threads(hvd.local_size(), hvd.local_rank())
+    if initialized():
+        return
+    if launcher() == "python":
+        # MPI_Init forks here; see blas.py for what that does to BLAS threads.
+        cap_loaded_scipy_blas()
+    hvd.init(comm=comm)
+    share_cpu_threads(hvd.local_size(), hvd.local_rank())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 
 
 def initialized():

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_adapt import GradientNoiseScale, optimizer
+from hvd_adapt import GradientNoiseScale
+from hvd_adapt.optim import noise
 from launch import run_ranks
 
 
@@ -52,7 +53,7 @@ def test_optimizer_estimates_on_one_replica(accumulate):
     assert rep["accum"] == (3 if accumulate else 0)
     # 24000 samples, 16 per optimizer step; alone, one pair of steps in every
     # _PAIR_EVERY is measured.
-    assert rep["updates"] == (1500 if accumulate else 1500 // optimizer._PAIR_EVERY)
+    assert rep["updates"] == (1500 if accumulate else 1500 // noise.PAIR_EVERY)
     assert rep["sqr"] == pytest.approx(rep["true_sqr"], rel=0.10)
     assert rep["trace"] == pytest.approx(rep["true_trace"], rel=0.10)
 
@@ -62,7 +63,7 @@ def test_noise_measurement_keeps_half_precision_gradients_exact():
     # small difference of two such sums, which that rounding would swamp.
     gen = torch.Generator().manual_seed(0)
     first, second = (torch.randn(40000, generator=gen).to(torch.bfloat16) for _ in range(2))
-    pair = optimizer._GradientPair()
+    pair = noise.GradientPair()
     pair.first([[first[:30000], first[30000:]], []])
     first_sqr, second_sqr, dots = pair.second([[second[:30000], second[30000:]], []])
     assert first_sqr == pytest.approx([float((first.double() ** 2).sum()), 0.0], rel=1e-5)
@@ -70,12 +71,12 @@ def test_noise_measurement_keeps_half_precision_gradients_exact():
     assert dots == pytest.approx([float((first.double() * second.double()).sum()), 0.0],
                                  rel=1e-4)
     exact = float((first.double() ** 2).sum())
-    assert optimizer._sqnorms([[first[:30000], first[30000:]], []]).numpy() == pytest.approx(
+    assert noise.group_sqnorms([[first[:30000], first[30000:]], []]).numpy() == pytest.approx(
         [exact, 0.0], rel=1e-5)
 
 
 def test_gradient_pair_needs_a_first_step_of_the_same_parameters():
-    pair = optimizer._GradientPair()
+    pair = noise.GradientPair()
     grads = [[torch.ones(3)], [torch.full((2,), 2.0)]]
     assert pair.second(grads) is None
     pair.first(grads)
@@ -114,7 +115,7 @@ def test_local_norms_travel_in_the_gradients_dtype_when_it_holds_them():
             p.grad = torch.ones(2, dtype=dtype)
             out.append(p)
         return out
-    assert optimizer._stats_dtype(params(torch.float32, torch.float32)) == torch.float32
-    assert optimizer._stats_dtype(params(torch.float64)) == torch.float64
-    assert optimizer._stats_dtype(params(torch.bfloat16)) == torch.float64
-    assert optimizer._stats_dtype(params(torch.float32, torch.float16)) == torch.float64
+    assert noise.stats_dtype(params(torch.float32, torch.float32)) == torch.float32
+    assert noise.stats_dtype(params(torch.float64)) == torch.float64
+    assert noise.stats_dtype(params(torch.bfloat16)) == torch.float64
+    assert noise.stats_dtype(params(torch.float32, torch.float16)) == torch.float64

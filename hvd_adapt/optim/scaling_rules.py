@@ -5,8 +5,8 @@ learning-rate factor per parameter group; :class:`hvd_adapt.DistributedOptimizer
 multiplies each group's lr by it for the step, then restores the lr, so an lr
 scheduler keeps working on the base lr.
 
->>> rule = LinearScale()
->>> rule.lr_factors(gns, batch_size=512, init_batch_size=128, num_groups=1)
+>>> rule = LinearScale()          # needs no gradient statistics, so gns=None here
+>>> rule.lr_factors(None, batch_size=512, init_batch_size=128, num_groups=1)
 array([4.])
 """
 import math

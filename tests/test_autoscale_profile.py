@@ -1,7 +1,7 @@
 """Step-time profile: buckets, stalls, the window of recent steps, elastic state."""
 import pytest
 
-from hvd_adapt.metrics import StepProfile
+from hvd_adapt.autoscale.profile import StepProfile
 
 
 def test_profile_estimates_accumulation_time_from_sync_time():

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 import hvd_adapt
-from hvd_adapt import collective, env
+from hvd_adapt._runtime import collective, env
 
 
 @pytest.fixture(autouse=True, scope="module")

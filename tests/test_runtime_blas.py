@@ -8,7 +8,7 @@ import textwrap
 def test_scipy_is_loaded_with_one_blas_thread_and_the_environment_is_left_as_it_was():
     script = textwrap.dedent("""
         import os
-        from hvd_adapt._blas import _scipy_blas, import_scipy_optimize
+        from hvd_adapt._runtime.blas import _scipy_blas, import_scipy_optimize
         import_scipy_optimize()
         print(os.environ.get("OPENBLAS_NUM_THREADS"))
         print([lib.num_threads for lib in _scipy_blas()])
@@ -32,7 +32,7 @@ def test_scipys_blas_loaded_before_is_capped_without_restarting_its_threads():
         import time
         import numpy as np
         import scipy.linalg.blas as blas
-        from hvd_adapt._blas import _scipy_blas, cap_loaded_scipy_blas
+        from hvd_adapt._runtime.blas import _scipy_blas, cap_loaded_scipy_blas
         a = np.asfortranarray(np.random.default_rng(0).random((400, 400)))
         blas.dgemm(1.0, a, a)
         time.sleep(0.3)

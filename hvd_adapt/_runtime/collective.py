@@ -20,8 +20,10 @@ def allreduce(value, name=None):
     which is why dicts travel through one ``hvd.allgather_object`` rather than
     a float tensor.
 
-    >>> allreduce({"loss": 0.5, "n": 2})   # on 2 replicas with equal inputs
-    {'loss': 1.0, 'n': 4}
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> allreduce({"loss": 0.5, "n": 2})   # a world of one; on two equal replicas: 1.0 and 4
+    {'loss': 0.5, 'n': 2}
     """
     if isinstance(value, dict):
         for key, v in value.items():
@@ -72,6 +74,73 @@ def allgather_object(obj, name=None):
         objects.append(pickle.loads(data[start:start + size]))
         start += size
     return objects
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Collective: make ``optimizer``'s state and hyper-parameters those of ``root_rank``.
+
+    Unlike Horovod's ``broadcast_optimizer_state`` this changes nothing else.
+    Horovod's runs a zero-gradient ``step()`` on every rank whose optimizer
+    state is empty (at a fresh start, all of them; when growing, the new
+    worker), to create the tensors it then broadcasts into: with weight decay
+    that step shrinks the parameters by (1 - lr * wd) and seeds momentum with
+    wd * p, so a synced job did not train like a plain one, and a joining
+    worker's weights differed from the others'. Here the root's state
+    travels as a skeleton (an object broadcast, tensors replaced by their
+    shape and dtype) and its tensors as Horovod broadcasts into tensors every
+    rank allocates from that skeleton.
+    """
+    if hvd.size() == 1:
+        return
+    root = hvd.rank() == root_rank
+    tensors = []
+
+    def strip(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+            return _TensorSlot(tuple(value.shape), value.dtype, value.device.type)
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = broadcast_object(strip(optimizer.state_dict()) if root else None,
+                                root_rank=root_rank, name="hvd_adapt.optimizer_skeleton")
+    if root:
+        slots = tensors
+    else:
+        device = next((p.device for group in optimizer.param_groups for p in group["params"]),
+                      torch.device("cpu"))
+        slots = []
+
+        def fill(value):
+            if isinstance(value, _TensorSlot):
+                on = device if value.device != "cpu" else torch.device("cpu")
+                slots.append(torch.empty(value.shape, dtype=value.dtype, device=on))
+                return slots[-1]
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(fill(v) for v in value)
+            return value
+
+        received = fill(skeleton)
+    # Every rank walks the same structure in the same order, so slot i is tensor i everywhere.
+    handles = [hvd.broadcast_async_(t.view(-1) if t.dim() == 0 else t, root_rank=root_rank,
+                                    name=f"hvd_adapt.optimizer_state.{i}")
+               for i, t in enumerate(slots)]
+    for handle in handles:
+        hvd.synchronize(handle)
+    if not root:
+        optimizer.load_state_dict(received)
+
+
+class _TensorSlot:
+    """Where a tensor of the root's optimizer state goes, in the skeleton other ranks receive."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = shape, dtype, device
 
 
 def barrier(name="hvd_adapt.barrier"):

@@ -5,104 +5,23 @@ fixes the accumulation count at construction. Goodput scaling needs the
 local gradient norms before averaging (for the noise scale) and an
 accumulation count that changes while training, so this wrapper keeps
 micro-batch gradients itself and averages all of them in one Horovod
-``grouped_allreduce_`` per optimizer step.
+``grouped_allreduce_`` per optimizer step. Which batches end a cycle, and
+which batch sizes the learning rate is scaled between, it asks the
+controller of the loader it trains on.
 """
-import functools
 import time
 
 import horovod.torch as hvd
 import torch
 
-from . import env
-from .gns import GradientNoiseScale
+from .._runtime import collective, env
+from ..autoscale.controller import Controller
+from ..elastic.participant import Participant
+from .noise import PAIR_EVERY, GradientNoiseScale, GradientPair, group_sqnorms, stats_dtype
 from .scaling_rules import ScalingRule, default_rule
 
 
-def _wide(dtype):
-    # Half-precision sums over long vectors lose most of their digits.
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _sqnorms(groups):
-    """Squared L2 norm of each group's tensors together: a float64 tensor on their device, so
-    that measuring costs no device sync until the step's results are read together."""
-    device = next((g.device for grads in groups for g in grads), "cpu")
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([torch.stack([torch.linalg.vector_norm(g, dtype=_wide(g.dtype))
-                                     for g in grads]).double().pow(2).sum() if grads else zero
-                        for grads in groups])
-
-
-def _stats_dtype(params):
-    """The dtype to allreduce the local norms in: the gradients' own where it holds a squared
-    norm, float64 otherwise. Horovod fuses one dtype into one buffer: a float64 tensor beside
-    float32 gradients was a second allreduce every step (``benchmarks/overhead.py
-    --measure-noise`` at two processes: 1.10-1.24 against 1.01-1.08)."""
-    dtypes = {p.grad.dtype for p in params}
-    if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
-        return dtypes.pop()
-    return torch.float64
-
-
-# With one replica and no accumulation, the noise is measured on one pair of
-# consecutive steps in this many. On small models the measurement's cost is
-# per-call overhead that also slows the next forward and backward (caches), up
-# to a third of a step when done every step; the smoothed estimate spans
-# hundreds of steps, so sampling it loses little.
-_PAIR_EVERY = 4
-
-
-class _GradientPair:
-    """Two consecutive steps' gradients, flattened into the two rows of one buffer.
-
-    Storing one is a copy; their squared norms and dot product for every
-    parameter group come from one Gram matrix and one device sync.
-    """
-
-    def __init__(self):
-        self._buffer = None
-        self._sizes = None
-        self._has_first = False
-
-    def forget(self):
-        self._has_first = False
-
-    def _store(self, groups, row):
-        flat = [g.reshape(-1) for grads in groups for g in grads]
-        if not flat:
-            return False
-        sizes = [sum(g.numel() for g in grads) for grads in groups]
-        dtype = _wide(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
-        buffer = self._buffer
-        if buffer is None or self._sizes != sizes or buffer.dtype != dtype \
-                or buffer.device != flat[0].device:
-            if row == 1:
-                return False
-            buffer = self._buffer = torch.zeros((2, sum(sizes)), dtype=dtype, device=flat[0].device)
-            self._sizes = sizes
-        torch.cat(flat, out=buffer[row])
-        return True
-
-    def first(self, groups):
-        """Store the first step's gradients (one list of tensors per group)."""
-        self._has_first = self._store(groups, 0)
-
-    def second(self, groups):
-        """Store the second step's; returns ``(first_sqr, second_sqr, dots)`` per group as numpy
-        arrays, or None when there is no first step to pair with."""
-        if not (self._has_first and self._store(groups, 1)):
-            return None
-        self._has_first = False
-        if len(self._sizes) == 1:
-            gram = torch.mm(self._buffer, self._buffer.t()).unsqueeze(0)
-        else:
-            gram = torch.stack([torch.mm(part, part.t())
-                                for part in self._buffer.split(self._sizes, dim=1)])
-        gram = gram.cpu().numpy()
-        return gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1]
-
-
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer, Participant):
     """Wrap ``optimizer``: average gradients over replicas, accumulate, scale the lr.
 
     Call ``step()`` after every batch, as without accumulation: on the
@@ -119,13 +38,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     when ``measure_noise`` is True, or (the default, None) when the loader
     autoscales its batch size, the one use it has there.
 
+    >>> import hvd_adapt, torch
+    >>> hvd_adapt.init()
+    >>> model = torch.nn.Linear(3, 1)
     >>> opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    >>> loss.backward(); opt.step(); opt.zero_grad()
+    >>> model(torch.ones(2, 3)).sum().backward(); opt.step(); opt.zero_grad()
     """
+
+    sync_after_every_reset = False
 
     def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
+        if callable(getattr(optimizer, "synchronize", None)) \
+                and callable(getattr(optimizer, "skip_synchronize", None)):
+            raise ValueError(
+                f"{type(optimizer).__name__} is a Horovod DistributedOptimizer: it averages "
+                "gradients itself, so wrapping it would average them twice and measure a noise "
+                "scale of about zero; pass the plain torch optimizer instead")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scaling_rule is not None and not isinstance(scaling_rule, ScalingRule):
@@ -138,11 +68,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.scaling_rule = scaling_rule or default_rule(optimizer)
         self.gns = GradientNoiseScale(len(optimizer.param_groups), smoothing=smoothing)
         self.measure_noise = measure_noise
-        self._loader = None
+        self._controller = None
         self._stash = None
         self._micro_sqr = None
         self._micro_count = 0
-        self._pair = _GradientPair()
+        self._pair = GradientPair()
         self._single_steps = 0
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
@@ -163,13 +93,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         self.optimizer.add_param_group(param_group)
         self.gns = GradientNoiseScale(len(self.optimizer.param_groups), self.gns.smoothing)
+        if self._controller is not None:
+            self._controller.attach_noise_scale(self.gns)
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def _bind(self, loader):
-        self._loader = loader
-        loader._optimizer = self
+    def attach(self, controller):
+        """Train on the loader whose :class:`~hvd_adapt.autoscale.controller.Controller` this is:
+        its cycles decide when to step, its batch sizes how to scale the lr."""
+        if not isinstance(controller, Controller):
+            raise ValueError(f"expected an hvd_adapt Controller, got {controller!r}")
+        self._controller = controller
+        controller.attach_noise_scale(self.gns)
+
+    def join(self, peers):
+        """Attach to the autoscaled loader among ``peers`` (the State's values), else the first."""
+        controllers = [peer.controller for peer in peers
+                       if isinstance(getattr(peer, "controller", None), Controller)]
+        if controllers:
+            self.attach(next((c for c in controllers if c.autoscaling), controllers[0]))
+
+    def on_reset(self):
+        self.discard_accumulation()
 
     def _grads(self):
         return [[p.grad for p in group["params"] if p.grad is not None]
@@ -180,22 +126,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Stash the gradient on accumulation steps; average, measure and step otherwise."""
-        loader = self._loader
-        if loader is not None and not loader.is_optim_step():
+        controller = self._controller
+        if controller is not None and not controller.is_optim_step():
             self._accumulate()
             return None
         return self._synchronized_step(closure)
 
     def _measuring(self):
-        if self._loader is None:
+        if self._controller is None:
             return False
         if self.measure_noise is None:
-            return self._loader._autoscale is not None
+            return self._controller.autoscaling
         return self.measure_noise
 
     def _accumulate(self):
         if self._measuring():
-            sqr = _sqnorms(self._grads())
+            sqr = group_sqnorms(self._grads())
             self._micro_sqr = sqr if self._micro_sqr is None else self._micro_sqr + sqr
         self._micro_count += 1
         params = self._params_with_grad()
@@ -224,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._measure_single()
             return self._scaled_step(closure)
         self._pair.forget()
-        last_sqr = _sqnorms(self._grads()) if measuring else None
+        last_sqr = group_sqnorms(self._grads()) if measuring else None
         if self._stash is not None:
             for buf, p in zip(self._stash, params):
                 p.grad.add_(buf)
@@ -239,20 +185,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             started = time.perf_counter()
             tensors = [p.grad for p in params]
             if measuring:
-                local_sqr = local_sqr.to(_stats_dtype(params))
+                local_sqr = local_sqr.to(stats_dtype(params))
                 tensors.append(local_sqr)
             # A fixed name lets Horovod's response cache skip negotiation.
             hvd.grouped_allreduce_(tensors, op=hvd.Average, name="hvd_adapt.grads")
-            if self._loader is not None:
-                self._loader.profile.record_sync(env.num_nodes(), size,
-                                                 self._loader.current_local_bsz,
-                                                 time.perf_counter() - started)
+            if self._controller is not None:
+                self._controller.record_sync(time.perf_counter() - started)
         self._discard_stash()
         if measuring:
             local_sqr, total_sqr = torch.stack([local_sqr.double(),
-                                                _sqnorms(self._grads())]).cpu().numpy()
-            self.gns.update(local_sqr, total_sqr, self._loader.current_local_bsz, micro * size,
-                            self._loader.batch_size)
+                                                group_sqnorms(self._grads())]).cpu().numpy()
+            self.gns.update(local_sqr, total_sqr, self._controller.local_bsz, micro * size,
+                            self._controller.init_batch_size)
         return self._scaled_step(closure)
 
     def _discard_stash(self):
@@ -262,8 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _measure_single(self):
         """One gradient per step: pair one step's gradient with the next one's, every
-        ``_PAIR_EVERY`` steps, using |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
-        phase = self._single_steps % _PAIR_EVERY
+        ``PAIR_EVERY`` steps, using |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
+        phase = self._single_steps % PAIR_EVERY
         self._single_steps += 1
         if phase == 0:
             self._pair.first(self._grads())
@@ -273,16 +217,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if paired is None:
             return
         first_sqr, second_sqr, dots = paired
-        local_bsz = self._loader.current_local_bsz
+        local_bsz = self._controller.local_bsz
         self.gns.update((first_sqr + second_sqr) / 2, (first_sqr + second_sqr + 2 * dots) / 4,
-                        local_bsz, 2, self._loader.batch_size, samples=_PAIR_EVERY * local_bsz)
+                        local_bsz, 2, self._controller.init_batch_size,
+                        samples=PAIR_EVERY * local_bsz)
 
     def _scaled_step(self, closure):
-        loader = self._loader
-        if loader is None or loader.current_batch_size <= loader.batch_size:
+        controller = self._controller
+        if controller is None or controller.batch_size <= controller.init_batch_size:
             self.gns.progress += 1.0
             return self.optimizer.step(closure)
-        batch_size, init_batch_size = loader.current_batch_size, loader.batch_size
+        batch_size, init_batch_size = controller.batch_size, controller.init_batch_size
         groups = self.param_groups
         factors = self.scaling_rule.lr_factors(self.gns, batch_size, init_batch_size, len(groups))
         saved = []
@@ -298,6 +243,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group.update(original)
         self.gns.progress += float(self.gns.gain(batch_size, init_batch_size))
         return result
+
+    def sync_from_root(self):
+        """Collective: adopt rank 0's optimizer state and noise scale; drop accumulated gradients."""
+        collective.broadcast_optimizer_state(self.optimizer)
+        self.gns.load_state_dict(collective.broadcast_object(self.gns.state_dict(),
+                                                             name="hvd_adapt.sync.gns"))
+        self.discard_accumulation()
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "gns": self.gns.state_dict()}

@@ -1,0 +1,20 @@
+"""Argument checks whose errors name the argument, the bad value and what is allowed."""
+import numbers
+
+
+def is_int(value):
+    """True for ints (numpy's too), False for bools and everything else."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name, value, low, high=None):
+    """Raise ValueError unless ``value`` is an int (not a bool) in [low, high]."""
+    if not is_int(value) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+
+
+def check_bool(name, value):
+    """Raise ValueError unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -1,0 +1,24 @@
+"""The one piece of process-wide state hvd_adapt keeps: :data:`CONTEXT`.
+
+Everything a process must remember between calls that are not made on one
+object lives on this one explicit object, instead of counters and registries
+spread over modules: the State that epoch loops consult, the CPU thread
+share, and the state handlers a script registered.
+"""
+
+
+class RuntimeContext:
+    """What this process remembers across calls; see the attributes."""
+
+    def __init__(self):
+        #: The most recent :class:`hvd_adapt.State` (set by ``State()`` and ``run``).
+        self.state = None
+        #: torch's thread count before hvd_adapt first changed it, or None.
+        self.thread_ceiling = None
+        #: The thread count hvd_adapt set last: a different one now is the script's choice.
+        self.threads_set = None
+        #: ``(value_type, handler_cls)`` pairs from ``register_handler``, newest first.
+        self.handlers = []
+
+
+CONTEXT = RuntimeContext()

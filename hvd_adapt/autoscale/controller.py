@@ -1,0 +1,241 @@
+"""The batch-size controller: the one object a loader and an optimizer share.
+
+The loader reports each step it hands out and asks which local batch and
+accumulation steps to plan with; the optimizer asks whether a batch ends an
+accumulation cycle and which batch sizes to scale the learning rate for, and
+reports the time spent averaging gradients. Neither reaches into the other.
+
+When to decide (before the first batch, after a resize or restore, every
+``decide_every`` optimizer steps) and how every replica adopts the same
+choice (rank 0 decides, the others wait sleeping, then one broadcast) live
+here; what to choose is the :class:`~hvd_adapt.autoscale.policy.AutoscalePolicy`'s.
+
+>>> controller = Controller(init_batch_size=128)
+>>> controller.local_bsz, controller.accumulation_steps   # one replica, no autoscaling
+(128, 0)
+"""
+import logging
+import math
+import time
+
+from .._runtime import collective, env
+from .profile import StepProfile
+
+log = logging.getLogger(__name__)
+
+
+class Controller:
+    """Current batch-size plan, step-time profile and decision protocol of one training loader.
+
+    ``init_batch_size`` is B0, the global batch the learning rate was tuned
+    for. Until :meth:`configure` gives it a policy, every world splits B0
+    over its replicas and nothing is decided.
+    """
+
+    def __init__(self, init_batch_size):
+        self.init_batch_size = init_batch_size
+        self.policy = None
+        self.epochs_by_progress = False
+        self.profile = StepProfile()
+        self._noise = None
+        self._choice = None
+        self._micro = 0
+        self._needs_decision = True
+        self._steps_since_decision = 0
+        self._epoch_progress_start = 0.0
+
+    def configure(self, policy, epochs_by_progress=False):
+        """Autoscale with ``policy``; decide again before the next batch."""
+        self.policy = policy
+        self.epochs_by_progress = epochs_by_progress
+        self._needs_decision = True
+
+    @property
+    def autoscaling(self):
+        """True once a policy chooses the batch size."""
+        return self.policy is not None
+
+    def attach_noise_scale(self, noise_scale):
+        """Read gradient statistics and training progress from ``noise_scale`` (the
+        optimizer's :class:`~hvd_adapt.optim.noise.GradientNoiseScale`)."""
+        self._noise = noise_scale
+
+    @property
+    def has_noise_scale(self):
+        """True once an optimizer attached its noise scale."""
+        return self._noise is not None
+
+    # -- the current plan --------------------------------------------------------------
+    def _default(self, num_replicas):
+        if self.policy is None:
+            return math.ceil(self.init_batch_size / num_replicas), 0
+        return self.policy.default(num_replicas)
+
+    def _current(self):
+        size = env.size()
+        if self._choice is None or self._choice[2] != size:
+            return self._default(size)
+        return self._choice[:2]
+
+    @property
+    def local_bsz(self):
+        """Samples each replica loads per step (the atomic batch size)."""
+        return self._current()[0]
+
+    @property
+    def accumulation_steps(self):
+        """Steps that only accumulate gradients before each optimizer step."""
+        return self._current()[1]
+
+    @property
+    def batch_size(self):
+        """Global samples per optimizer step: size * local bsz * (accumulation steps + 1)."""
+        local, accum = self._current()
+        return env.size() * local * (accum + 1)
+
+    @property
+    def choice(self):
+        """``(local_bsz, accumulation_steps, num_replicas)`` last decided, or None before any
+        decision; ``num_replicas`` is the world size it was made for."""
+        return self._choice
+
+    # -- accumulation cycles -----------------------------------------------------------
+    def start_cycles(self):
+        """A new pass over the data starts: its first batch opens a cycle."""
+        self._micro = 0
+
+    def next_micro_step(self, last_of_plan):
+        """Account one batch handed out; ``last_of_plan`` closes the cycle early."""
+        accum = self.accumulation_steps
+        self._micro = 0 if (self._micro == accum or last_of_plan) else self._micro + 1
+
+    def is_optim_step(self):
+        """True when the batch just handed out ends an accumulation cycle."""
+        return self._micro == 0
+
+    # -- deciding ----------------------------------------------------------------------
+    def request_decision(self):
+        """Decide again before the next batch (after a resize or restore)."""
+        self._needs_decision = True
+
+    @property
+    def decision_due(self):
+        """True when the next batch must wait for a decision."""
+        return self._needs_decision
+
+    def optim_step_done(self):
+        """Count one optimizer step towards ``decide_every``."""
+        self._steps_since_decision += 1
+        if self.policy is not None and self._steps_since_decision >= self.policy.decide_every:
+            self._needs_decision = True
+
+    def decide(self):
+        """Collective: every rank adopts rank 0's choice of (local bsz, accumulation steps)."""
+        self._needs_decision = False
+        self._steps_since_decision = 0
+        if self.policy is None:
+            return
+        size = env.size()
+        choice = None
+        if env.rank() == 0:
+            before = self._current()
+            forced = self._choice is None or self._choice[2] != size
+            choice, prediction = self.policy.decide(self.profile, self.grad_params(),
+                                                    env.num_nodes(), size, before, forced)
+            if tuple(choice) != tuple(before):
+                self._log_decision(before, choice, prediction, size)
+        if size > 1:
+            # Rank 0 may have spent a while fitting the throughput model.
+            collective.barrier()
+            choice = collective.broadcast_object(choice, name="hvd_adapt.decision")
+        self._choice = (int(choice[0]), int(choice[1]), size)
+
+    def _log_decision(self, before, choice, prediction, size):
+        old = size * before[0] * (before[1] + 1)
+        new = size * choice[0] * (choice[1] + 1)
+        why = "" if prediction is None else \
+            f", predicted goodput x{prediction[0]:.2f}, gain {prediction[1]:.2f}"
+        log.info("batch size %d -> %d: local %d x %d accumulation step(s) x %d replica(s)%s",
+                 old, new, choice[0], choice[1], size, why)
+
+    def grad_params(self):
+        """The noise scale's :class:`~hvd_adapt.goodput.GradParams`, or None before any estimate."""
+        if self._noise is None or not self._noise.has_estimate():
+            return None
+        return self._noise.grad_params(self.init_batch_size)
+
+    # -- timing ------------------------------------------------------------------------
+    def record_step(self, seconds, local_bsz, optim):
+        """Add one step's wall time at ``local_bsz`` in the current world to the profile."""
+        self.profile.record(env.num_nodes(), env.size(), local_bsz, seconds, optim=optim)
+
+    def record_sync(self, seconds):
+        """Add the gradient-averaging part of one optimizer step to the profile."""
+        self.profile.record_sync(env.num_nodes(), env.size(), self.local_bsz, seconds)
+
+    def throughput(self):
+        """Measured samples/s of the current plan, or None before it was timed."""
+        local, accum = self._current()
+        return self.profile.throughput(env.num_nodes(), env.size(), local, accum)
+
+    # -- progress ----------------------------------------------------------------------
+    @property
+    def progress(self):
+        """Training progress in B0-steps (a step at a larger batch counts its gain)."""
+        return self._noise.progress if self._noise is not None else 0.0
+
+    def gain(self):
+        """The AdaScale gain of the current batch size over B0 (1 before any estimate)."""
+        if self._noise is None:
+            return 1.0
+        return float(self._noise.gain(self.batch_size, self.init_batch_size))
+
+    def start_epoch(self):
+        """Progress of a new epoch counts from here (for epochs by progress)."""
+        self._epoch_progress_start = self.progress
+
+    def epoch_progress_made(self, num_samples):
+        """True once this epoch has made one B0-pass over ``num_samples`` of progress."""
+        needed = num_samples / self.init_batch_size
+        return self.progress - self._epoch_progress_start >= needed - 1e-9
+
+    # -- reporting and state -----------------------------------------------------------
+    def metrics(self):
+        """Scalars worth plotting: batch sizes, accumulation, replicas, and where known the
+        gain, noise scale, progress and measured samples/s."""
+        local, accum = self._current()
+        out = {"batch_size": self.batch_size, "local_bsz": local, "accumulation_steps": accum,
+               "replicas": env.size()}
+        rate = self.throughput()
+        if rate:
+            out["samples_per_second"] = rate
+        if self._noise is not None and self._noise.has_estimate():
+            out.update(gain=self.gain(), noise_scale=self._noise.noise_scale(),
+                       progress=self.progress)
+        return out
+
+    def progress_line(self):
+        """One line of text: global batch, local batch, accumulation, gain, samples/s."""
+        values = self.metrics()
+        gain = f" gain={values['gain']:.2f}" if "gain" in values else ""
+        rate = f" samples/s={values['samples_per_second']:.1f}" \
+            if "samples_per_second" in values else ""
+        return (f"bsz={values['batch_size']} local_bsz={values['local_bsz']} "
+                f"accum={values['accumulation_steps']}{gain}{rate} replicas={values['replicas']}")
+
+    def state_dict(self):
+        return {"profile": self.profile.state_dict(), "choice": self._choice,
+                "epoch_progress_start": self._epoch_progress_start}
+
+    def load_state_dict(self, state):
+        self.profile.load_state_dict(state["profile"])
+        self._choice = None if state["choice"] is None else tuple(state["choice"])
+        self._epoch_progress_start = state["epoch_progress_start"]
+        self._micro = 0
+        self._needs_decision = True
+
+    def timed_decision(self):
+        """:meth:`decide`, returning the seconds it took (left out of the step being timed)."""
+        started = time.perf_counter()
+        self.decide()
+        return time.perf_counter() - started

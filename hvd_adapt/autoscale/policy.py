@@ -1,0 +1,113 @@
+"""What an autoscaling job may choose from, and how one choice is made.
+
+The policy is plain data and arithmetic (numpy, and scipy through the fit):
+given a step-time profile and the gradient statistics it returns the local
+batch size and accumulation steps to use. Who decides when, and how every
+replica adopts the choice, is the controller's business
+(:mod:`hvd_adapt.autoscale.controller`).
+
+>>> policy = AutoscalePolicy.create(128, 1024, local_bsz_bounds=(16, 256))
+>>> policy.default(num_replicas=3)      # B0 split over the replicas
+(43, 0)
+"""
+import math
+
+import numpy as np
+
+from .._checks import check_bool, check_int, is_int
+from ..goodput import GoodputFunction, fit_perf_params
+
+
+class AutoscalePolicy:
+    """The bounds of the choice and the rule that picks within them.
+
+    ``hysteresis``: the current choice is kept unless another is predicted
+    to be more than this fraction better, so measurement noise does not make
+    the job hop between two near-equal batch sizes.
+    """
+
+    def __init__(self, init_batch_size, max_batch_size, local_bsz_bounds, gradient_accumulation,
+                 decide_every, hysteresis=0.05):
+        self.init_batch_size = init_batch_size
+        self.max_batch_size = max_batch_size
+        self.local_bsz_bounds = local_bsz_bounds
+        self.gradient_accumulation = gradient_accumulation
+        self.decide_every = decide_every
+        self.hysteresis = hysteresis
+
+    @classmethod
+    def create(cls, init_batch_size, max_batch_size, local_bsz_bounds=None,
+               gradient_accumulation=False, decide_every=50):
+        """Validate the arguments of ``AdaptiveDataLoader.autoscale_batch_size``."""
+        if not is_int(max_batch_size) or max_batch_size < init_batch_size:
+            raise ValueError(f"max_batch_size must be an int >= the loader's batch_size "
+                             f"({init_batch_size}), got {max_batch_size!r}")
+        if local_bsz_bounds is None:
+            local_bsz_bounds = (None, None)
+        if not isinstance(local_bsz_bounds, (tuple, list)) or len(local_bsz_bounds) != 2:
+            raise ValueError(f"local_bsz_bounds must be a pair (lo, hi), got {local_bsz_bounds!r}")
+        lo, hi = local_bsz_bounds
+        lo = 1 if lo is None else lo
+        hi = max_batch_size if hi is None else hi
+        for name, value in (("lower", lo), ("upper", hi)):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"local_bsz_bounds {name} bound must be an int >= 1 or None, "
+                                 f"got {value!r}")
+        if lo > max_batch_size:
+            raise ValueError(f"local_bsz_bounds lower bound {lo} exceeds max_batch_size "
+                             f"{max_batch_size}")
+        if lo > hi:
+            raise ValueError(f"local_bsz_bounds must have lo <= hi, got ({lo}, {hi})")
+        check_bool("gradient_accumulation", gradient_accumulation)
+        check_int("decide_every", decide_every, 1)
+        return cls(init_batch_size, max_batch_size, (lo, hi), gradient_accumulation, decide_every)
+
+    def default(self, num_replicas):
+        """The choice before anything is measured: B0 split over the replicas, within bounds."""
+        lo, hi = self.local_bsz_bounds
+        local = math.ceil(self.init_batch_size / num_replicas)
+        if local > hi and self.gradient_accumulation:
+            accum = math.ceil(local / hi) - 1
+            return max(lo, math.ceil(local / (accum + 1))), accum
+        return min(max(local, lo), hi), 0
+
+    def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced):
+        """``(atomic_bsz, accum_steps)`` for the next steps.
+
+        ``profile`` is a :class:`~hvd_adapt.autoscale.profile.StepProfile`,
+        ``grad_params`` the noise scale's :class:`~hvd_adapt.goodput.GradParams`
+        (None before any measurement: then the default is kept). ``current``
+        is kept unless beaten by more than ``hysteresis``, or ``forced`` (after
+        a resize). The throughput model is fitted to every world's steps, or to
+        this world's alone once it has measured two batch sizes of its own.
+        """
+        return self.decide(profile, grad_params, num_nodes, num_replicas, current, forced)[0]
+
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
+        """:meth:`choose`, and why: ``(choice, (speedup, gain))``, where speedup is the
+        predicted goodput of the choice over that of ``current`` and gain the
+        AdaScale gain of its batch; the second item is None when nothing was fitted."""
+        if grad_params is None or len(profile) == 0:
+            return self.default(num_replicas), None
+        data = profile.arrays()
+        here = (data["num_nodes"] == num_nodes) & (data["num_replicas"] == num_replicas)
+        if len(np.unique(data["atomic_bsz"][here])) >= 2:
+            # The model's compute time is the same in every world, which
+            # replicas sharing cores or memory bandwidth break. The choice is
+            # for this world: once it has measured two sizes, fit to it alone.
+            data = {key: values[here] for key, values in data.items()}
+        perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
+                               data["accum_step_time"], data["optim_step_time"])
+        fn = GoodputFunction(perf, grad_params, self.init_batch_size)
+        goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, self.max_batch_size,
+                                             self.local_bsz_bounds, self.gradient_accumulation)
+        if goodput <= 0:
+            return self.default(num_replicas), None
+        current_goodput = float(fn.evaluate(num_nodes, num_replicas, current[0], current[1]))
+        choice = (atomic, accum)
+        if not forced and goodput <= (1 + self.hysteresis) * current_goodput:
+            choice = tuple(current)
+        batch = num_replicas * choice[0] * (choice[1] + 1)
+        gain = float(fn.efficiency(batch)) * max(batch / self.init_batch_size, 1.0)
+        speedup = float(fn.evaluate(num_nodes, num_replicas, *choice)) / current_goodput
+        return choice, (speedup, gain)

@@ -1,0 +1,227 @@
+"""AdaptiveDataLoader: plans each replica's batches from the elastic sampler and iterates them.
+
+What a plan holds (local batch, accumulation steps) comes from the loader's
+:class:`~hvd_adapt.autoscale.controller.Controller`; the loader times the
+steps it hands out and tells the controller, and re-plans the rest of the
+pass when the controller decides on another batch size.
+"""
+import math
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from .._checks import check_bool, check_int
+from .._runtime import env
+from .._runtime.blas import import_scipy_optimize
+from ..autoscale.controller import Controller
+from ..autoscale.policy import AutoscalePolicy
+from ..elastic.epoch import current_epoch
+from ..elastic.participant import Participant
+from .sampler import ElasticSampler
+
+
+class _Plan(torch.utils.data.Sampler):
+    """A fixed list of index batches, handed to torch's DataLoader as its batch_sampler."""
+
+    def __init__(self, batches):
+        self._batches = batches
+
+    def __iter__(self):
+        return iter(self._batches)
+
+    def __len__(self):
+        return len(self._batches)
+
+
+class AdaptiveDataLoader(Participant):
+    """A DataLoader whose ``batch_size`` is the global batch of the whole world.
+
+    Each replica loads ``ceil(batch_size / size)`` samples per step until
+    :meth:`autoscale_batch_size` lets hvd_adapt choose the local batch and the
+    gradient accumulation steps for goodput. Iteration resumes mid-epoch after
+    a restore, and the rest of an epoch is re-partitioned after a resize.
+    Only an epoch's last batch can be padded (so every rank takes the same
+    number of steps); ``num_padded`` says how many of its trailing samples
+    repeat others.
+
+    >>> import hvd_adapt, torch
+    >>> from torch.utils.data import TensorDataset
+    >>> hvd_adapt.init()
+    >>> loader = AdaptiveDataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)
+    >>> [len(x) - loader.num_padded for (x,) in loader]
+    [4, 4, 2]
+
+    Every other keyword goes to ``torch.utils.data.DataLoader``
+    (``num_workers``, ``collate_fn``, ...); ``sampler`` and ``batch_sampler``
+    are rejected since the elastic sampler decides the order.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=False, seed=0, **kwargs):
+        check_int("batch_size", batch_size, 1)
+        for key in ("sampler", "batch_sampler", "drop_last"):
+            if key in kwargs:
+                raise ValueError(f"AdaptiveDataLoader does not take {key}={kwargs[key]!r}: "
+                                 "the elastic sampler decides which samples each replica loads")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = ElasticSampler(dataset, shuffle=shuffle, seed=seed)
+        self.controller = Controller(batch_size)
+        self.num_padded = 0
+        self._kwargs = kwargs
+
+    # -- what the current plan is ----------------------------------------------------
+    @property
+    def current_local_bsz(self):
+        """Samples each replica loads per step (the atomic batch size)."""
+        return self.controller.local_bsz
+
+    @property
+    def accumulation_steps(self):
+        """Steps that only accumulate gradients before each optimizer step."""
+        return self.controller.accumulation_steps
+
+    @property
+    def current_batch_size(self):
+        """Global samples per optimizer step: size * local bsz * (accumulation steps + 1)."""
+        return self.controller.batch_size
+
+    @property
+    def choice(self):
+        """``(local_bsz, accumulation_steps, num_replicas)`` last decided, or None before
+        autoscaling decided anything."""
+        return self.controller.choice
+
+    def is_optim_step(self):
+        """True when the batch just handed out ends an accumulation cycle."""
+        return self.controller.is_optim_step()
+
+    def autoscale_batch_size(self, max_batch_size, local_bsz_bounds=None,
+                             gradient_accumulation=False, decide_every=50,
+                             epochs_by_progress=False):
+        """Let hvd_adapt choose the batch size for goodput, up to ``max_batch_size``.
+
+        ``local_bsz_bounds=(lo, hi)`` bounds the per-replica atomic batch; a
+        ``hi`` that fits in device memory is the guard against out-of-memory
+        errors (see :func:`hvd_adapt.probe_max_local_bsz`). With
+        ``gradient_accumulation`` a replica may accumulate several atomic
+        batches per optimizer step. The choice is made on rank 0 and
+        adopted by every rank: before the first batch, after every resize and
+        restore, and every ``decide_every`` optimizer steps (counted across
+        epochs).
+
+        With ``epochs_by_progress`` an epoch lasts as much training progress
+        as one pass at the initial batch size: len(dataset) / batch_size
+        steps at B0, where a step at a larger batch counts its AdaScale gain
+        (Pollux's rule). An epoch then ends mid-pass, or goes on into further
+        passes over the data (each its own shuffle, each sample once per
+        pass), until the progress is made. Without it (the default) an epoch
+        is one pass and every sample is seen exactly once per epoch.
+        """
+        policy = AutoscalePolicy.create(self.batch_size, max_batch_size, local_bsz_bounds,
+                                        gradient_accumulation, decide_every)
+        check_bool("epochs_by_progress", epochs_by_progress)
+        self.controller.configure(policy, epochs_by_progress)
+        if env.initialized() and env.rank() == 0:
+            # The rank that fits loads scipy now rather than mid-training.
+            import_scipy_optimize()
+
+    # -- iteration -------------------------------------------------------------------
+    def _next_pass_epoch(self):
+        """The epoch that iterating now would visit: the loop's, or the next once one is done."""
+        epoch = current_epoch()
+        if epoch is not None:
+            return epoch
+        return self.sampler.epoch + 1 if self.sampler.remaining == 0 else self.sampler.epoch
+
+    def _torch_loader(self, plan):
+        generator = torch.Generator()
+        generator.manual_seed(hash((self.sampler.seed, self.sampler.epoch,
+                                    self.sampler.position, env.rank())) & 0x7FFFFFFF)
+        return DataLoader(self.dataset, batch_sampler=_Plan(plan), generator=generator,
+                          **self._kwargs)
+
+    def __iter__(self):
+        controller = self.controller
+        by_progress = controller.epochs_by_progress and controller.autoscaling
+        if by_progress and not controller.has_noise_scale:
+            raise RuntimeError("epochs_by_progress needs an hvd_adapt.DistributedOptimizer "
+                               "in the same hvd_adapt.State as this loader")
+        epoch = self._next_pass_epoch()
+        if epoch != self.sampler.epoch:
+            controller.start_epoch()
+        self.sampler.set_epoch(epoch)
+        controller.start_cycles()
+        while True:
+            yield from self._iterate_pass(by_progress)
+            if not by_progress or controller.epoch_progress_made(self.sampler.num_samples):
+                break
+            self.sampler.next_pass()
+        self.num_padded = 0
+
+    def _iterate_pass(self, by_progress):
+        controller = self.controller
+        while self.sampler.remaining > 0:
+            if controller.decision_due:
+                controller.decide()
+            local, accum = controller.local_bsz, controller.accumulation_steps
+            size, rank = env.size(), env.rank()
+            plan = list(self.sampler.batches(local, size, rank))
+            last = None
+            for i, batch in enumerate(self._torch_loader([idx for idx, _ in plan])):
+                now = time.perf_counter()
+                if last is not None and i > 1:
+                    # The first step of a plan pays for warm-up; leave it out.
+                    controller.record_step(now - last[0], local, optim=last[1])
+                world_count = plan[i][1]
+                final = i == len(plan) - 1
+                controller.next_micro_step(final)
+                # Only an epoch's last step can be short, and so padded.
+                self.num_padded = ElasticSampler.padding(world_count, size, rank) if final else 0
+                self.sampler.advance(world_count)
+                last = (now, controller.is_optim_step())
+                yield batch
+                if not controller.is_optim_step():
+                    continue
+                if by_progress and controller.epoch_progress_made(self.sampler.num_samples):
+                    self.sampler.finish_pass()
+                    return
+                if final:
+                    continue
+                controller.optim_step_done()
+                if controller.decision_due:
+                    # Deciding is not part of the step the profile times.
+                    spent = controller.timed_decision()
+                    if (controller.local_bsz, controller.accumulation_steps) != (local, accum):
+                        break
+                    last = (last[0] + spent, last[1])
+
+    def __len__(self):
+        """Batches this replica gets from here to the end of the pass that iterating would make."""
+        local = self.controller.local_bsz
+        if self._next_pass_epoch() != self.sampler.epoch:
+            return math.ceil(self.sampler.num_samples / (env.size() * local))
+        return self.sampler.num_batches(local, env.size())
+
+    # -- elastic state ---------------------------------------------------------------
+    def state_dict(self):
+        return {"sampler": self.sampler.state_dict(), "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state):
+        self.sampler.load_state_dict(state["sampler"])
+        self.controller.load_state_dict(state["controller"])
+
+    def on_reset(self):
+        self.controller.request_decision()
+
+    def at_commit_point(self):
+        return self.controller.is_optim_step()
+
+    def to_tensorboard(self, writer, step, tag_prefix="hvd_adapt"):
+        """Write batch size, accumulation, gain and throughput to a TensorBoard writer."""
+        from ..tensorboard import write_metrics
+        write_metrics(self.controller.metrics(), writer, step, tag_prefix)
+
+    def progress_line(self):
+        """One line of text: global batch, local batch, accumulation, gain, samples/s."""
+        return self.controller.progress_line()

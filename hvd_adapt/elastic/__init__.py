@@ -1,0 +1,2 @@
+"""Elastic training on Horovod: the State and its handlers, ``run``, epochs,
+checkpoints and the SIGTERM drain (see each module)."""

@@ -1,0 +1,144 @@
+"""State handlers: how each kind of value in a :class:`hvd_adapt.State` is saved,
+restored and synced, following Horovod's ``StateHandler`` registry.
+
+hvd_adapt's own objects (loaders, samplers, accumulators, the distributed
+optimizer, the epoch counter) share one handler that calls their
+:class:`~hvd_adapt.elastic.participant.Participant` methods; torch modules,
+torch optimizers and learning-rate schedulers have handlers here. Saving
+copies into the buffers of the previous save, so a commit allocates nothing.
+"""
+import collections
+import copy
+
+import torch
+from horovod.torch.elastic.state import StateHandler
+from horovod.torch.functions import broadcast_parameters
+
+from .._runtime import collective
+from .._runtime.context import CONTEXT
+from .participant import Participant
+
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
+def snapshot(value, previous=None):
+    """A copy of ``value`` (nested dicts, lists and tuples of tensors and plain values).
+
+    Tensors are copied into the buffers of ``previous`` (the last snapshot)
+    where shape, dtype and device match, so a commit costs a memory copy
+    rather than the allocations and bookkeeping of ``copy.deepcopy``.
+
+    >>> import torch
+    >>> first = snapshot({"w": torch.zeros(2), "step": 1})
+    >>> again = snapshot({"w": torch.ones(2), "step": 2}, previous=first)
+    >>> again["w"] is first["w"], again["w"].tolist(), again["step"]
+    (True, [1.0, 1.0], 2)
+    """
+    if type(value) in _IMMUTABLE:
+        return value
+    if isinstance(value, torch.Tensor):
+        if isinstance(previous, torch.Tensor) and previous.shape == value.shape \
+                and previous.dtype == value.dtype and previous.device == value.device:
+            return previous.copy_(value.detach())
+        return value.detach().clone()
+    if type(value) in (dict, collections.OrderedDict):
+        before = previous if isinstance(previous, dict) else {}
+        out = type(value)((k, snapshot(v, before.get(k))) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            # Module.state_dict() keeps per-module versions here for load_state_dict.
+            out._metadata = copy.deepcopy(value._metadata)
+        return out
+    if type(value) in (list, tuple):
+        if all(type(v) in _IMMUTABLE for v in value):
+            # Flat sequences (a step-time profile is hundreds of floats) need
+            # no per-item copy; a tuple of them is immutable itself.
+            return value if type(value) is tuple else list(value)
+        before = previous if type(previous) is type(value) and len(previous) == len(value) \
+            else [None] * len(value)
+        return type(value)(snapshot(v, p) for v, p in zip(value, before))
+    return copy.deepcopy(value)
+
+
+class StateDictHandler(StateHandler):
+    """For objects with ``state_dict()``/``load_state_dict()``: snapshot, restore, rank-0 sync.
+
+    ``light`` handlers hold little (positions, counters, choices) and are
+    synced again after every reset; the others (models, optimizers) only
+    when Horovod syncs.
+    """
+
+    light = True
+
+    def __init__(self, value):
+        super().__init__(value)
+        self._saved = None
+        self.save()
+
+    def save(self):
+        self._saved = snapshot(self.value.state_dict(), self._saved)
+
+    def restore(self):
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self):
+        self.value.load_state_dict(collective.broadcast_object(self.value.state_dict()))
+
+    def saved_state(self):
+        """The state at the last save (commit): what a checkpoint holds."""
+        return self._saved
+
+
+class ParticipantHandler(StateDictHandler):
+    """For hvd_adapt's own objects: each says how it syncs and whether it is light."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        self.light = value.sync_after_every_reset
+
+    def sync(self):
+        self.value.sync_from_root()
+
+
+class ModelHandler(StateDictHandler):
+    """A torch module: parameters and buffers broadcast from rank 0 as tensors."""
+
+    light = False
+
+    def sync(self):
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class TorchOptimizerHandler(StateDictHandler):
+    """A torch optimizer not wrapped by hvd_adapt: state broadcast without a step."""
+
+    light = False
+
+    def sync(self):
+        collective.broadcast_optimizer_state(self.value)
+
+
+_BUILTIN = [
+    (Participant, ParticipantHandler),
+    (torch.optim.lr_scheduler.LRScheduler, StateDictHandler),
+    (torch.nn.Module, ModelHandler),
+    (torch.optim.Optimizer, TorchOptimizerHandler),
+]
+
+
+def register_handler(value_type, handler_cls):
+    """Let :class:`hvd_adapt.State` carry values of ``value_type`` with ``handler_cls``.
+
+    ``handler_cls`` is a Horovod ``StateHandler`` subclass. Registered types
+    are looked up before hvd_adapt's and Horovod's own, newest first.
+    """
+    if not (isinstance(handler_cls, type) and issubclass(handler_cls, StateHandler)):
+        raise ValueError(f"handler_cls must be a horovod StateHandler subclass, got {handler_cls!r}")
+    CONTEXT.handlers.insert(0, (value_type, handler_cls))
+
+
+def handler_for(value):
+    """A handler for ``value`` from the registry, or None to leave it to Horovod."""
+    for value_type, handler_cls in CONTEXT.handlers + _BUILTIN:
+        if isinstance(value, value_type):
+            return handler_cls(value)
+    return None

@@ -1,0 +1,50 @@
+"""``run``: Horovod's elastic loop with hvd_adapt's resets.
+
+Under ``horovodrun`` in elastic mode, ``run`` is ``hvd.elastic.run``: a
+failed collective restores the last commit, a host change raises at
+``commit()``, and either way Horovod re-forms the world and calls the
+training function again. hvd_adapt adds that after every reset the rest of
+the epoch is re-partitioned over the new world and the batch size is
+decided again, whether or not Horovod skipped its sync. Anywhere else (plain
+``python``, ``mpirun``, non-elastic ``horovodrun``) it syncs once from rank 0
+and calls the function.
+"""
+import functools
+
+import horovod.torch as hvd
+
+from .._runtime import env
+from .._runtime.context import CONTEXT
+
+
+def run(func):
+    """Decorate ``train(state, ...)`` so it survives resizes and failures.
+
+    >>> import hvd_adapt
+    >>> hvd_adapt.init()
+    >>> state = hvd_adapt.State()
+    >>> @hvd_adapt.run
+    ... def train(state):
+    ...     for epoch in hvd_adapt.remaining_epochs_until(2):
+    ...         state.commit()
+    ...     return state.epoch
+    >>> train(state)
+    2
+    """
+    @functools.wraps(func)
+    def attempt(state, *args, **kwargs):
+        CONTEXT.state = state
+        state.resync_after_reset()
+        return func(state, *args, **kwargs)
+
+    elastic = hvd.elastic.run(attempt)
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        env.init()
+        if env.is_elastic():
+            return elastic(state, *args, **kwargs)
+        state.sync()
+        return attempt(state, *args, **kwargs)
+
+    return wrapper

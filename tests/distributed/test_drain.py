@@ -1,0 +1,34 @@
+"""The SIGTERM drain under horovodrun and mpirun: the checkpoint is on disk before any rank
+exits, and a restarted job resumes at the drained step on every rank.
+
+Launchers kill the remaining workers as soon as one exits non-zero, so a
+rank that exited 143 while rank 0 was still writing lost the checkpoint.
+"""
+import os
+
+import pytest
+
+from launch import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_drain_keeps_its_checkpoint_and_resumes_there(launcher, tmp_path):
+    path = str(tmp_path / "job.pt")
+    first = run_ranks("drain_job.py", np=2, launcher=launcher,
+                      args=["--checkpoint", path, "--term-step", 5, "--slow-save", 2.0])
+    assert first.returncode != 0, first.output[-3000:]
+    assert os.path.exists(path), first.output[-3000:]
+    assert sorted(first.reports) == [0, 1], first.output[-3000:]
+    drained = {rank: rep["drained"] for rank, rep in first.reports.items()}
+    assert {rep["code"] for rep in first.reports.values()} == {143}
+    # Both ranks stopped at the same commit, one step after the signal (the vote's delay).
+    assert drained[0] == dict(drained[1], rank=0)
+    assert drained[0]["steps"] in (5, 6), drained
+
+    second = run_ranks("drain_job.py", np=2, launcher=launcher,
+                       args=["--checkpoint", path, "--slow-save", 0.0]).check()
+    for rank, rep in second.reports.items():
+        resumed = rep["resumed"]
+        assert resumed == dict(drained[0], rank=rank), (rank, resumed, drained[0])

@@ -1,0 +1,29 @@
+"""State.sync() under horovodrun: identical replicas afterwards, and nothing changed on rank 0.
+
+Horovod's broadcast_optimizer_state steps every optimizer whose state is
+empty with zero gradients; with weight decay that shrank every weight at a
+job's start and gave a joining worker weights the others did not have.
+"""
+import pytest
+
+from launch import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("root_trained", [0, 3], ids=["fresh-start", "worker-joins"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["torch", "hvd_adapt"])
+def test_sync_copies_rank0_and_changes_nothing(optimizer, root_trained, wrapped):
+    args = ["--optimizer", optimizer, "--root-trained", root_trained]
+    job = run_ranks("sync_recipes.py", np=2, args=args + (["--wrapped"] if wrapped else [])).check()
+    reports = job.reports
+    assert sorted(reports) == [0, 1]
+    root = reports[0]
+    for rank, rep in reports.items():
+        # Every rank holds exactly rank 0's parameters and optimizer state as they were.
+        assert rep["params"] == root["before"]["params"], rank
+        assert rep["opt"] == root["before"]["opt"], rank
+    assert reports[1]["opt_count"] == root["opt_count"]
+    if root_trained == 0:
+        assert root["opt_count"] == 0  # no step was taken to create state

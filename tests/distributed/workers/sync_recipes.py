@@ -1,0 +1,57 @@
+"""State.sync() with the optimizers users run: it must copy rank 0's values and change nothing.
+
+Each rank starts from its own random weights. ``--root-trained N``: rank 0
+alone takes N steps first, so its optimizer has state and the others' have
+none (a worker joining a running job); 0: every optimizer is fresh (a
+job's start). Every rank reports hashes of its parameters and optimizer
+state after the sync, and rank 0 those of its values before it.
+"""
+import argparse
+import hashlib
+
+import torch
+
+import hvd_adapt
+from _report import report
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(opt):
+    state = opt.state_dict()["state"]
+    return [v for key in sorted(state) for _, v in sorted(state[key].items())
+            if isinstance(v, torch.Tensor)]
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--optimizer", choices=["sgd", "adamw"], required=True)
+parser.add_argument("--root-trained", type=int, default=0)
+parser.add_argument("--wrapped", action="store_true", help="hvd_adapt.DistributedOptimizer")
+args = parser.parse_args()
+
+hvd_adapt.init()
+rank = hvd_adapt.env.rank()
+torch.manual_seed(100 + rank)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+if args.optimizer == "sgd":
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+else:
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+if rank == 0:
+    for _ in range(args.root_trained):
+        inner.zero_grad()
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        inner.step()
+opt = hvd_adapt.DistributedOptimizer(inner) if args.wrapped else inner
+state = hvd_adapt.State(model=model, optimizer=opt)
+before = {"params": digest(model.parameters()), "opt": digest(optimizer_tensors(inner)),
+          "opt_lr": inner.param_groups[0]["lr"]}
+state.sync()
+report({"rank": rank, "before": before, "params": digest(model.parameters()),
+        "opt": digest(optimizer_tensors(inner)), "opt_count": len(optimizer_tensors(inner))},
+       rank)

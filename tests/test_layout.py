@@ -1,0 +1,65 @@
+"""The package's plan: what each import loads, and rooms that talk through public methods."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hvd_adapt")
+
+
+def loaded_after(statement):
+    code = f"{statement}\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+@pytest.mark.parametrize("statement", ["import hvd_adapt", "import hvd_adapt.goodput",
+                                       "from hvd_adapt.goodput import GoodputFunction, fit_perf_params"])
+def test_importing_loads_neither_torch_nor_horovod(statement):
+    loaded = loaded_after(statement)
+    assert "'torch'" not in loaded and "'horovod'" not in loaded, loaded
+
+
+def test_goodput_answers_a_scheduler_without_torch():
+    code = ("import sys\nfrom hvd_adapt.goodput import GoodputFunction, GradParams, PerfParams\n"
+            "fn = GoodputFunction(PerfParams(0.02, 0.001, 0.1, 0.01, 0.05, 0.005, 1.5), "
+            "GradParams(1.0, 4.0), 128)\n"
+            "print(fn.optimize(4, 16, 4096, (32, 512))[0] > 0, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
+
+
+def test_public_names_resolve_lazily():
+    import hvd_adapt
+    for name in hvd_adapt.__all__:
+        assert getattr(hvd_adapt, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        hvd_adapt.nonexistent
+
+
+# `obj._name` on anything but self/cls: reading another object's private attribute.
+# Torch's own Module.state_dict() keeps `_metadata` on the dict it returns,
+# which load_state_dict reads back; copying it along is the one use allowed.
+_FOREIGN_PRIVATE = re.compile(r"(?<![\w.])(?!self\b|cls\b|hvd_adapt\b)(\w+)\.(_[a-z]\w*)")
+_ALLOWED = {"_metadata"}
+
+
+def sources():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    found = []
+    for path in sources():
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                code = line.split("#")[0]
+                for match in _FOREIGN_PRIVATE.finditer(code):
+                    if match.group(2) not in _ALLOWED:
+                        found.append(f"{os.path.relpath(path, PACKAGE)}:{number}: {match.group(0)}")
+    assert not found, "\n".join(found)
