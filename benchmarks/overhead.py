@@ -10,6 +10,7 @@ median step times (the ratio the goal is set on), and the ratio of mean step
 times (which includes the commits' snapshots).
 
     python benchmarks/overhead.py [--steps 1200] [--commit-every 10] [--measure-noise]
+                                  [--device auto|cpu|cuda]
 
 With ``--measure-noise`` the hvd_adapt loop also measures the gradient noise
 scale, as it does whenever the loader autoscales its batch size.
@@ -37,6 +38,7 @@ def worker(args):
 
     torch.set_num_threads(1)
     hvd_adapt.init()
+    device = hvd_adapt.env.device(args.device)
     size = hvd.size()
     local_bsz = args.batch_size // size
     gen = torch.Generator().manual_seed(0)
@@ -48,7 +50,7 @@ def worker(args):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
                                     torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 10))
+                                    torch.nn.Linear(512, 10)).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def timed(batches, steps, step):
@@ -57,7 +59,10 @@ def worker(args):
         for i, (x, y) in enumerate(batches):
             if i == steps:
                 break
-            step(i, x, y)
+            step(i, x.to(device), y.to(device))
+            if device.type == "cuda":
+                # Step times mean the same as on the CPU: the device's work included.
+                torch.cuda.synchronize(device)
             now = time.perf_counter()
             if last is not None:
                 times.append(now - last)
@@ -122,7 +127,7 @@ def launch(np_, args):
     out = tempfile.mktemp(suffix=".json")
     script = [HERE, "--worker", "--out", out, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
-              "--commit-every", str(args.commit_every)]
+              "--commit-every", str(args.commit_every), "--device", args.device]
     if args.measure_noise:
         script.append("--measure-noise")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -149,6 +154,7 @@ def main(argv=None):
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--measure-noise", action="store_true",
                         help="the hvd_adapt loop measures the gradient noise scale too")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

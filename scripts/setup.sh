@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Installs everything hvd_adapt needs into a virtual environment:
-# Debian's Open MPI, torch 2.13.0 (CPU), Horovod 0.28.1 built from source with
-# the C++17 fix (Gloo + MPI + PyTorch), mpi4py, and hvd_adapt itself (editable).
+# Debian's Open MPI, torch 2.13.0, Horovod 0.28.1 built from source with the
+# C++17 fix (Gloo + MPI + PyTorch, and NCCL on GPU machines), mpi4py, and
+# hvd_adapt itself (editable).
+#
+# GPU mode: on a machine where nvidia-smi lists a GPU (or with
+# HVD_ADAPT_GPU=1, e.g. to build a GPU image; HVD_ADAPT_GPU=0 forces the CPU build) torch is PyPI's CUDA
+# build and Horovod is built with HOROVOD_GPU_OPERATIONS=NCCL against the
+# NCCL that torch's wheels bring (nvidia-nccl-cu12), or HOROVOD_NCCL_HOME if
+# set. That build needs the CUDA toolkit (nvcc), as in nvidia/cuda "devel"
+# images.
 #
 # Idempotent: a second run with everything in place takes seconds. The built
-# Horovod wheel is cached outside the repo, keyed by Python and torch version.
+# Horovod wheel is cached outside the repo, keyed by Python and torch version
+# and the build flags (CPU or CUDA+NCCL).
 #
 #   scripts/setup.sh              # venv in .venv
 #   HVD_ADAPT_VENV=/opt/venv scripts/setup.sh
-#   HVD_ADAPT_TORCH_INDEX=<index with CPU torch wheels> scripts/setup.sh
+#   HVD_ADAPT_TORCH_INDEX=<index with torch wheels> scripts/setup.sh
+#   HVD_ADAPT_DEPS_ONLY=1 scripts/setup.sh   # everything but hvd_adapt (Docker layers)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,6 +29,17 @@ TORCH_VERSION=2.13.0
 HOROVOD_VERSION=0.28.1
 
 log() { echo "[setup] $*" >&2; }
+
+# CPU or GPU build: asked for, or what the machine has.
+case "${HVD_ADAPT_GPU:-auto}" in
+    1) GPU=1 ;;
+    0) GPU=0 ;;
+    # A GPU that nvidia-smi lists; the CUDA toolkit alone (nvcc) is no GPU.
+    auto) if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+              GPU=1; else GPU=0; fi ;;
+    *) echo "[setup] ERROR: HVD_ADAPT_GPU must be 0, 1 or auto, got '$HVD_ADAPT_GPU'" >&2; exit 1 ;;
+esac
+BUILD_FLAVOUR=$([ "$GPU" = 1 ] && echo cuda-nccl || echo cpu)
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 
 install_debs() {
@@ -42,13 +63,14 @@ install_debs() {
 # The stamp records what the last successful run installed; when nothing it
 # covers has changed and the environment still checks out, there is no work.
 stamp_inputs() {
-    cat "$ROOT/pyproject.toml" "$ROOT/setup.cfg" "${BASH_SOURCE[0]}" 2>/dev/null | sha256sum | cut -d' ' -f1
+    { cat "$ROOT/pyproject.toml" "$ROOT/setup.cfg" "${BASH_SOURCE[0]}" 2>/dev/null
+      echo "$BUILD_FLAVOUR ${HVD_ADAPT_DEPS_ONLY:-0}"; } | sha256sum | cut -d' ' -f1
 }
 
 check_env() {
-    "$VENV/bin/python" - "$TORCH_VERSION" "$HOROVOD_VERSION" <<'PY'
+    "$VENV/bin/python" - "$TORCH_VERSION" "$HOROVOD_VERSION" "$GPU" "${HVD_ADAPT_DEPS_ONLY:-0}" <<'PY'
 import sys
-torch_version, horovod_version = sys.argv[1:]
+torch_version, horovod_version, gpu, deps_only = sys.argv[1:]
 problems = []
 try:
     import torch
@@ -65,9 +87,16 @@ try:
         problems.append("horovod was built without Gloo")
     if not hvd.mpi_built():
         problems.append("horovod was built without MPI")
+    if gpu == "1" and not hvd.nccl_built():
+        problems.append("horovod was built without NCCL (GPU mode)")
+    if gpu == "1" and not torch.version.cuda:
+        problems.append(f"torch {torch.__version__} is not a CUDA build (GPU mode)")
 except ImportError as e:
     problems.append(f"horovod.torch does not import: {e}")
-for mod in ("mpi4py", "numpy", "scipy", "threadpoolctl", "pytest", "hvd_adapt"):
+modules = ["mpi4py", "numpy", "scipy", "threadpoolctl", "pytest"]
+if deps_only != "1":
+    modules.append("hvd_adapt")
+for mod in modules:
     try:
         __import__(mod)
     except ImportError as e:
@@ -105,25 +134,40 @@ log "installing torch $TORCH_VERSION and build requirements"
 TORCH_INDEX=()
 [ -n "${HVD_ADAPT_TORCH_INDEX:-}" ] && TORCH_INDEX=(--extra-index-url "$HVD_ADAPT_TORCH_INDEX")
 "${PIP[@]}" "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" numpy scipy threadpoolctl cloudpickle psutil pyyaml packaging
-INSTALLED_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
+INSTALLED_TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__, torch.version.cuda or "")')
 case "$INSTALLED_TORCH" in
     "$TORCH_VERSION"*) ;;
     *) die "torch $INSTALLED_TORCH is installed in $VENV, expected $TORCH_VERSION; remove $VENV and rerun" ;;
 esac
+if [ "$GPU" = 1 ] && [ -z "$(echo "$INSTALLED_TORCH" | cut -s -d' ' -f2)" ]; then
+    die "GPU mode, but torch in $VENV is a CPU build ($INSTALLED_TORCH); remove $VENV, or set HVD_ADAPT_TORCH_INDEX to an index with CUDA builds"
+fi
 # A source build links mpi4py against the Open MPI that mpirun starts.
 "${PIP[@]}" --no-binary mpi4py mpi4py
 
-HVD_OK=$("$VENV/bin/python" - "$HOROVOD_VERSION" <<'PY' 2>/dev/null || true
+HVD_OK=$("$VENV/bin/python" - "$HOROVOD_VERSION" "$GPU" <<'PY' 2>/dev/null || true
 import sys, horovod, horovod.torch as hvd
-print(int(horovod.__version__ == sys.argv[1] and hvd.gloo_built() and hvd.mpi_built()))
+print(int(horovod.__version__ == sys.argv[1] and hvd.gloo_built() and hvd.mpi_built()
+          and (sys.argv[2] != "1" or hvd.nccl_built())))
 PY
 )
+# Where NCCL comes from in GPU mode: HOROVOD_NCCL_HOME, else torch's nvidia-nccl wheel.
+nccl_home() {
+    if [ -n "${HOROVOD_NCCL_HOME:-}" ]; then echo "$HOROVOD_NCCL_HOME"; return; fi
+    local home
+    home=$("$VENV/bin/python" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null) \
+        || die "GPU mode needs NCCL: torch's nvidia-nccl wheel is missing; install it or set HOROVOD_NCCL_HOME"
+    # Horovod's CMake looks for libnccl.so; the wheel ships libnccl.so.2 only.
+    [ -e "$home/lib/libnccl.so" ] || ln -s libnccl.so.2 "$home/lib/libnccl.so"
+    echo "$home"
+}
 if [ "$HVD_OK" != "1" ]; then
-    KEY="py$PYVER-torch$TORCH_VERSION-horovod$HOROVOD_VERSION"
+    # CPU builds keep the key they always had, so existing caches stay valid.
+    KEY="py$PYVER-torch$TORCH_VERSION-horovod$HOROVOD_VERSION$([ "$GPU" = 1 ] && echo "-$BUILD_FLAVOUR")"
     WHEEL_DIR="$CACHE/$KEY"
     WHEEL=$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n1 || true)
     if [ -z "$WHEEL" ]; then
-        log "building Horovod $HOROVOD_VERSION from source (4 to 10 minutes on 2 cores)"
+        log "building Horovod $HOROVOD_VERSION ($BUILD_FLAVOUR) from source (4 to 10 minutes on 2 cores)"
         WORK=$(mktemp -d)
         trap 'rm -rf "$WORK"' EXIT
         "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$WORK" "horovod==$HOROVOD_VERSION" \
@@ -136,10 +180,21 @@ if [ "$HVD_OK" != "1" ]; then
         grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" \
             || die "the C++17 fix did not apply to $SRC/horovod/torch/CMakeLists.txt"
         mkdir -p "$WHEEL_DIR"
+        if [ "$GPU" = 1 ]; then
+            command -v nvcc >/dev/null \
+                || die "GPU mode builds Horovod's CUDA kernels with nvcc: install the CUDA toolkit (nvidia/cuda devel images have it)"
+            NCCL_HOME=$(nccl_home)
+        fi
         (
             export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
                    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
                    MAKEFLAGS="-j$(nproc)"
+            if [ "$GPU" = 1 ]; then
+                export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="$NCCL_HOME" \
+                       HOROVOD_NCCL_LINK=SHARED
+            else
+                unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROADCAST
+            fi
             "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/wheel" "$SRC" \
                 > "$WORK/build.log" 2>&1
         ) || { tail -n 40 "$WORK/build.log" >&2; die "the Horovod build failed (log above)"; }
@@ -152,8 +207,12 @@ if [ "$HVD_OK" != "1" ]; then
     "${PIP[@]}" --force-reinstall --no-deps "$WHEEL"
 fi
 
-log "installing hvd_adapt (editable) with the dev extras"
-"${PIP[@]}" --no-build-isolation -e "$ROOT[dev]"
+if [ "${HVD_ADAPT_DEPS_ONLY:-0}" = 1 ]; then
+    "${PIP[@]}" pytest scikit-learn tqdm tensorboard
+else
+    log "installing hvd_adapt (editable) with the dev extras"
+    "${PIP[@]}" --no-build-isolation -e "$ROOT[dev]"
+fi
 
 check_env || die "the environment in $VENV is incomplete (see above)"
 stamp_inputs > "$VENV/.hvd_adapt_stamp"

@@ -70,3 +70,19 @@ def test_autoscale_fits_the_current_world_alone_once_it_measured_two_sizes():
     grad = GradParams(sqr=0.0263, var=0.133)  # noise scale about 320 samples
     local, accum = config.choose(profile, grad, 1, 1, current=(64, 0), forced=True)
     assert local * (accum + 1) >= 200, (local, accum)
+
+
+def test_decide_says_what_the_choice_is_predicted_to_gain():
+    policy = AutoscalePolicy.create(16, 512, (4, 128), gradient_accumulation=False)
+    profile = StepProfile()
+    for b in (16, 64):
+        for _ in range(3):
+            profile.record(1, 1, b, 0.01 + 0.0001 * b, optim=True)
+    grad = GradParams(sqr=1.0, var=20.0)
+    assert policy.decide(profile, None, 1, 1, current=(16, 0), forced=False) == ((16, 0), None)
+    choice, (speedup, gain) = policy.decide(profile, grad, 1, 1, current=(16, 0), forced=False)
+    assert choice[0] > 16 and speedup > 1 + policy.hysteresis
+    batch = choice[0] * (choice[1] + 1)
+    assert gain == pytest.approx((20.0 + 1.0) / (20.0 / (batch / 16) + 1.0))
+    kept, (speedup, _) = policy.decide(profile, grad, 1, 1, current=choice, forced=False)
+    assert kept == choice and speedup == pytest.approx(1.0)

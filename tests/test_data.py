@@ -1,5 +1,6 @@
 """ElasticSampler and AdaptiveDataLoader in one process."""
 import collections
+import io
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ from torch.utils.data import Dataset
 
 import hvd_adapt
 from hvd_adapt import ElasticSampler, AdaptiveDataLoader
+from hvd_adapt.autoscale.policy import AutoscalePolicy
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -293,3 +295,51 @@ def test_autoscaling_rank_loads_scipy_before_training():
             "print(before, 'scipy.optimize' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
+class SwitchingPolicy(AutoscalePolicy):
+    """Decides (2, 0) before the first batch and (5, 0) at every later decision."""
+
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
+        return ((2, 0) if forced else (5, 0)), None
+
+
+def test_len_follows_a_mid_epoch_change_of_batch_size():
+    from tqdm import tqdm
+    loader = AdaptiveDataLoader(Indices(20), batch_size=2)
+    loader.controller.configure(SwitchingPolicy(2, 64, (1, 64), False, decide_every=3))
+    assert len(loader) == 10
+    bar = tqdm(loader, file=io.StringIO())
+    sizes = []
+    for batch in bar:
+        sizes.append(len(batch))
+        bar.total = len(loader)
+    # Three batches of 2, then the rest of the 20 samples at 5: 6 batches in all.
+    assert sizes == [2, 2, 2, 5, 5, 4]
+    assert bar.n == bar.total == len(sizes)
+    assert len(loader) == 4  # the next pass, at 5
+
+
+def test_drop_last_leaves_out_a_short_last_step_on_every_rank():
+    sampler = ElasticSampler(range(23), shuffle=False)
+    per_rank = [list(sampler.batches(2, 3, rank, drop_last=True)) for rank in range(3)]
+    assert [len(batches) for batches in per_rank] == [3, 3, 3]
+    assert all(count == 6 for batches in per_rank for _, count in batches)
+    assert sampler.num_batches(2, 3, drop_last=True) == 3
+
+    loader = AdaptiveDataLoader(Indices(10), batch_size=4, shuffle=True, drop_last=True)
+    assert len(loader) == 2
+    first = [b.tolist() for b in loader]
+    assert [len(b) for b in first] == [4, 4] and len(set(sum(first, []))) == 8
+    assert loader.sampler.remaining == 0
+    second = [b.tolist() for b in loader]
+    assert loader.sampler.epoch == 1 and [len(b) for b in second] == [4, 4]
+
+
+def test_iterable_dataset_is_refused_with_what_to_use():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    with pytest.raises(ValueError, match="map-style dataset.*IterableDataset Stream"):
+        AdaptiveDataLoader(Stream(), batch_size=2)

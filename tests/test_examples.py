@@ -1,6 +1,7 @@
 """Smoke tests of the examples, with tiny sizes: each runs as a user would run it."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -71,12 +72,16 @@ def test_bert_pretrain_checkpoints_and_resumes(tmp_path):
 @pytest.mark.elastic
 def test_elastic_demo_script_grows_and_shrinks(tmp_path):
     # The README's command, on a short schedule: 1 -> 2 -> 1 workers.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable,
+    # As in the Docker image: no .venv beside the scripts, the venv named by HVD_ADAPT_VENV.
+    demo = tmp_path / "tree" / "examples" / "elastic"
+    shutil.copytree(os.path.join(ROOT, "examples", "elastic"), demo)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               HVD_ADAPT_VENV=os.path.dirname(os.path.dirname(sys.executable)),
                HVD_ADAPT_DEMO_DIR=str(tmp_path), HVD_ADAPT_DEMO_SCHEDULE="1 2 1",
                HVD_ADAPT_DEMO_EPOCHS_PER_SIZE="1")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "elastic", "run_elastic.sh"),
-                           "--samples", "512"], capture_output=True, text=True, timeout=180,
-                          env=env)
+    env.pop("PYTHON", None)
+    proc = subprocess.run(["bash", str(demo / "run_elastic.sh"), "--samples", "512"],
+                          capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sizes = re.findall(r"^epoch (\d+): replicas=(\d+) .* bsz=\d+", proc.stdout, re.M)
     assert sizes == [("0", "1"), ("1", "2"), ("2", "1")], proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
 """The package's plan: what each import loads, and rooms that talk through public methods."""
+import ast
 import os
 import re
 import subprocess
@@ -63,3 +64,18 @@ def test_no_module_reads_another_objects_private_attributes():
                     if match.group(2) not in _ALLOWED:
                         found.append(f"{os.path.relpath(path, PACKAGE)}:{number}: {match.group(0)}")
     assert not found, "\n".join(found)
+
+
+def test_the_library_prints_nothing_and_sets_up_no_logging_on_import():
+    printing = []
+    for path in sources():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        printing += [f"{os.path.relpath(path, PACKAGE)}:{node.lineno}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
+    assert not printing, printing
+    code = ("import logging, hvd_adapt\n"
+            "for name in hvd_adapt.__all__: getattr(hvd_adapt, name)\n"
+            "print(logging.getLogger('hvd_adapt').handlers, logging.getLogger().handlers)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] []"

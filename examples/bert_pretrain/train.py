@@ -100,6 +100,8 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", default="checkpoints/bert")
     parser.add_argument("--load-checkpoint", default=None, help="directory to resume from")
     parser.add_argument("--checkpoint-id", default=None, help="e.g. epoch0_step40 (default: latest)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: this replica's GPU where CUDA is available, else the CPU")
     return parser.parse_args(argv)
 
 
@@ -121,7 +123,8 @@ def main(argv=None):
     train_set = MarkovTokens(args.sequences, args.seq_len, args.vocab, seed=1)
     val_set = MarkovTokens(max(256, args.sequences // 16), args.seq_len, args.vocab, seed=2)
 
-    model = TinyBert(args.vocab, args.seq_len)
+    device = hvd_adapt.env.device(args.device)
+    model = TinyBert(args.vocab, args.seq_len).to(device)
     opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr,
                                                            weight_decay=0.01))
     loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True,
@@ -160,6 +163,7 @@ def main(argv=None):
         for epoch in hvd_adapt.remaining_epochs_until(args.epochs):
             model.train()
             for inputs, labels in loader:
+                inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 logits = model(inputs)
                 loss = F.cross_entropy(logits.reshape(-1, args.vocab), labels.reshape(-1))
                 opt.zero_grad()
@@ -186,6 +190,7 @@ def main(argv=None):
             model.eval()
             with torch.no_grad():
                 for inputs, labels in val_loader:
+                    inputs, labels = inputs.to(device), labels.to(device)
                     real = len(inputs) - val_loader.num_padded
                     logits = model(inputs[:real])
                     stats["val_loss"] += F.cross_entropy(logits.reshape(-1, args.vocab),

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="stop once validation accuracy reaches this")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: this replica's GPU where CUDA is available, else the CPU")
     args = parser.parse_args(argv)
     if args.batches_per_commit < 1:
         parser.error(f"--batches-per-commit must be >= 1, got {args.batches_per_commit}")
@@ -79,7 +81,8 @@ def main(argv=None):
     torch.manual_seed(0)
     train_set, val_set = digits_datasets()
 
-    model = make_model()
+    device = hvd_adapt.env.device(args.device)
+    model = make_model().to(device)
     opt = hvd_adapt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
     train_loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True)
@@ -112,6 +115,7 @@ def main(argv=None):
                 from tqdm import tqdm
                 batches = tqdm(train_loader, desc=f"epoch {epoch}", leave=False)
             for step, (x, y) in enumerate(batches, 1):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
                 loss.backward()
@@ -127,6 +131,7 @@ def main(argv=None):
             model.eval()
             with torch.no_grad():
                 for x, y in val_loader:
+                    x, y = x.to(device), y.to(device)
                     real = len(y) - val_loader.num_padded
                     logits = model(x)[:real]
                     stats["val_loss"] += F.cross_entropy(logits, y[:real], reduction="sum").item()

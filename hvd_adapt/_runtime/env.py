@@ -87,3 +87,21 @@ def launcher():
 def is_elastic():
     """True when started by ``horovodrun`` in elastic mode (host discovery or --min-np)."""
     return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def device(name="auto"):
+    """The torch device this replica trains on: ``"auto"`` (its GPU where CUDA is available,
+    else the CPU), ``"cpu"`` or ``"cuda"`` (``cuda:local_rank``; an error without CUDA).
+
+    >>> device("cpu")
+    device(type='cpu')
+    """
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = hvd.local_rank() % torch.cuda.device_count() if initialized() else 0
+    return torch.device("cuda", index)

@@ -52,14 +52,28 @@ class AdaptiveDataLoader(Participant):
     >>> [len(x) - loader.num_padded for (x,) in loader]
     [4, 4, 2]
 
+    ``drop_last=True`` leaves out an epoch's last step when it is shorter
+    than a full one (``size * local_bsz`` samples), on every rank alike, so
+    no replica trains on a tiny batch (BatchNorm refuses a batch of one).
+    The samples it leaves out are not trained in that epoch; each epoch's
+    shuffle differs, so they differ from epoch to epoch. Without it every
+    sample is trained exactly once per epoch. With accumulation the last
+    cycle of an epoch may still have fewer steps than the others.
+
+    ``len(loader)`` is the number of batches of the pass being iterated (or
+    the next one): those handed out so far plus the rest at the current
+    batch size, so it changes when the batch size does. A progress bar made
+    before the pass can follow it with ``bar.total = len(loader)``.
+
     Every other keyword goes to ``torch.utils.data.DataLoader``
     (``num_workers``, ``collate_fn``, ...); ``sampler`` and ``batch_sampler``
     are rejected since the elastic sampler decides the order.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=False, seed=0, **kwargs):
+    def __init__(self, dataset, batch_size=1, shuffle=False, seed=0, drop_last=False, **kwargs):
         check_int("batch_size", batch_size, 1)
-        for key in ("sampler", "batch_sampler", "drop_last"):
+        check_bool("drop_last", drop_last)
+        for key in ("sampler", "batch_sampler"):
             if key in kwargs:
                 raise ValueError(f"AdaptiveDataLoader does not take {key}={kwargs[key]!r}: "
                                  "the elastic sampler decides which samples each replica loads")
@@ -67,8 +81,10 @@ class AdaptiveDataLoader(Participant):
         self.batch_size = batch_size
         self.sampler = ElasticSampler(dataset, shuffle=shuffle, seed=seed)
         self.controller = Controller(batch_size)
+        self.drop_last = drop_last
         self.num_padded = 0
         self._kwargs = kwargs
+        self._handed_out = None  # batches of the pass being iterated so far; None between passes
 
     # -- what the current plan is ----------------------------------------------------
     @property
@@ -152,21 +168,29 @@ class AdaptiveDataLoader(Participant):
             controller.start_epoch()
         self.sampler.set_epoch(epoch)
         controller.start_cycles()
-        while True:
-            yield from self._iterate_pass(by_progress)
-            if not by_progress or controller.epoch_progress_made(self.sampler.num_samples):
-                break
-            self.sampler.next_pass()
+        try:
+            while True:
+                yield from self._iterate_pass(by_progress)
+                if not by_progress or controller.epoch_progress_made(self.sampler.num_samples):
+                    break
+                self.sampler.next_pass()
+        finally:
+            self._handed_out = None
         self.num_padded = 0
 
     def _iterate_pass(self, by_progress):
         controller = self.controller
+        self._handed_out = 0
         while self.sampler.remaining > 0:
             if controller.decision_due:
                 controller.decide()
             local, accum = controller.local_bsz, controller.accumulation_steps
             size, rank = env.size(), env.rank()
-            plan = list(self.sampler.batches(local, size, rank))
+            plan = list(self.sampler.batches(local, size, rank, self.drop_last))
+            if not plan:
+                # drop_last: what is left is less than one full step.
+                self.sampler.finish_pass()
+                return
             last = None
             for i, batch in enumerate(self._torch_loader([idx for idx, _ in plan])):
                 now = time.perf_counter()
@@ -180,6 +204,7 @@ class AdaptiveDataLoader(Participant):
                 self.num_padded = ElasticSampler.padding(world_count, size, rank) if final else 0
                 self.sampler.advance(world_count)
                 last = (now, controller.is_optim_step())
+                self._handed_out += 1
                 yield batch
                 if not controller.is_optim_step():
                     continue
@@ -197,11 +222,15 @@ class AdaptiveDataLoader(Participant):
                     last = (last[0] + spent, last[1])
 
     def __len__(self):
-        """Batches this replica gets from here to the end of the pass that iterating would make."""
-        local = self.controller.local_bsz
+        """Batches of the pass being iterated, or of the one iterating would start."""
+        local, size = self.controller.local_bsz, env.size()
+        rest = self.sampler.num_batches(local, size, self.drop_last)
+        if self._handed_out is not None:
+            return self._handed_out + rest
         if self._next_pass_epoch() != self.sampler.epoch:
-            return math.ceil(self.sampler.num_samples / (env.size() * local))
-        return self.sampler.num_batches(local, env.size())
+            rounding = math.floor if self.drop_last else math.ceil
+            return rounding(self.sampler.num_samples / (size * local))
+        return rest
 
     # -- elastic state ---------------------------------------------------------------
     def state_dict(self):

@@ -85,17 +85,19 @@ class ElasticSampler(torch.utils.data.Sampler, Participant):
         check_int("count", count, 0, self.remaining)
         self.position += count
 
-    def num_batches(self, local_bsz, num_replicas):
+    def num_batches(self, local_bsz, num_replicas, drop_last=False):
         """Batches each replica still gets this epoch at ``local_bsz``."""
-        return math.ceil(self.remaining / (num_replicas * local_bsz))
+        rounding = math.floor if drop_last else math.ceil
+        return rounding(self.remaining / (num_replicas * local_bsz))
 
-    def batches(self, local_bsz, num_replicas, rank):
+    def batches(self, local_bsz, num_replicas, rank, drop_last=False):
         """Yield ``(indices, world_count)`` for this rank's batches in the rest of the epoch.
 
         ``world_count`` is how many real samples the whole world consumes with
         that step. Only the last step can be short; there every rank gets the
         same number of indices, the shortfall filled (padded) with samples of
-        that step, which :meth:`padding` reports.
+        that step, which :meth:`padding` reports. With ``drop_last`` a short
+        last step is not yielded at all.
         """
         check_int("local_bsz", local_bsz, 1)
         check_int("num_replicas", num_replicas, 1)
@@ -104,6 +106,8 @@ class ElasticSampler(torch.utils.data.Sampler, Participant):
         step = num_replicas * local_bsz
         for start in range(self.position, self.num_samples, step):
             chunk = perm[start:start + step]
+            if drop_last and len(chunk) < step:
+                return
             mine = chunk[rank::num_replicas]
             want = math.ceil(len(chunk) / num_replicas)
             if len(mine) < want:

@@ -75,7 +75,9 @@ def main():
     threads_before = torch.get_num_threads()
     hvd_adapt.init()
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
+    # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
+    device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
+    model = torch.nn.Linear(4, 1).to(device)
     opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     loader = hvd_adapt.AdaptiveDataLoader(IndexDataset(args.samples), batch_size=args.batch_size,
                                           shuffle=True, seed=3)
@@ -95,7 +97,7 @@ def main():
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
                 real = idx[:len(idx) - loader.num_padded]
-                loss = model(x).pow(2).mean()
+                loss = model(x.to(device)).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -8,6 +8,7 @@ state after the sync, and rank 0 those of its values before it.
 """
 import argparse
 import hashlib
+import os
 
 import torch
 
@@ -37,7 +38,9 @@ args = parser.parse_args()
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()
 torch.manual_seed(100 + rank)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                            torch.nn.Linear(16, 2)).to(device)
 if args.optimizer == "sgd":
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
 else:
@@ -45,7 +48,7 @@ else:
 if rank == 0:
     for _ in range(args.root_trained):
         inner.zero_grad()
-        model(torch.randn(4, 8)).pow(2).sum().backward()
+        model(torch.randn(4, 8, device=device)).pow(2).sum().backward()
         inner.step()
 opt = hvd_adapt.DistributedOptimizer(inner) if args.wrapped else inner
 state = hvd_adapt.State(model=model, optimizer=opt)
