@@ -1,7 +1,12 @@
 """Per-step cost of the hvd_adapt loop against a plain Horovod loop, 1 and 2 processes.
 
 Both loops train the same MLP on the same in-memory data at the same fixed
-batch size; the plain one uses torch's DataLoader with a DistributedSampler
+batch size, for each model size asked for (``--model``): ``mlp-small``
+(256-512-512-10, 0.4M parameters, batch 64), ``mlp-8m`` (8 x Linear(1024,
+1024), batch 64) and ``mlp-25m`` (6 x Linear(2048, 2048), batch 32). Small
+models hide communication costs; the large ones show whether gradients are
+averaged while backward still runs, as ``hvd.DistributedOptimizer`` does. The
+plain loop the plain one uses torch's DataLoader with a DistributedSampler
 and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
 hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()``. Each
 process runs the two loops in alternating rounds and reports median step
@@ -9,8 +14,12 @@ times after warm-up, the median over rounds of the ratio of the two loops'
 median step times (the ratio the goal is set on), and the ratio of mean step
 times (which includes the commits' snapshots).
 
-    python benchmarks/overhead.py [--steps 1200] [--commit-every 10] [--measure-noise]
-                                  [--device auto|cpu|cuda]
+    python benchmarks/overhead.py [--model mlp-small,mlp-8m,mlp-25m] [--commit-every 10]
+                                  [--measure-noise] [--device auto|cpu|cuda]
+
+It also reports each loop's peak memory above the model's own (RSS on the
+CPU, ``torch.cuda.max_memory_allocated`` on CUDA), each loop measured in a
+process of its own since peaks only grow.
 
 With ``--measure-noise`` the hvd_adapt loop also measures the gradient noise
 scale, as it does whenever the loader autoscales its batch size.
@@ -41,16 +50,22 @@ def worker(args):
     device = hvd_adapt.env.device(args.device)
     size = hvd.size()
     local_bsz = args.batch_size // size
+    width, depth = MODELS[args.model][:2]
     gen = torch.Generator().manual_seed(0)
     samples = local_bsz * size * (args.steps + args.warmup + 5)
-    data = TensorDataset(torch.randn(samples, 256, generator=gen),
+    data = TensorDataset(torch.randn(samples, width, generator=gen),
                          torch.randint(0, 10, (samples,), generator=gen))
 
     def model_and_sgd():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 10)).to(device)
+        if args.model == "mlp-small":
+            layers = [torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                      torch.nn.ReLU(), torch.nn.Linear(512, 10)]
+        else:
+            layers = [m for _ in range(depth)
+                      for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+            layers.append(torch.nn.Linear(width, 10))
+        model = torch.nn.Sequential(*layers).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def timed(batches, steps, step):
@@ -103,12 +118,20 @@ def worker(args):
                 state.commit()
         return timed(loader, steps, step)
 
+    loops = {"plain": plain, "hvd_adapt": adaptive}
+    if args.memory_of:
+        baseline = peak_memory(device)
+        loops[args.memory_of](args.warmup)
+        if hvd.rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump({"peak_bytes": peak_memory(device) - baseline}, f)
+        return
     results = {"plain": [], "hvd_adapt": []}
     round_ratios = []
     per_round = (args.steps + args.warmup) // args.rounds
     for _ in range(args.rounds):
         medians = {}
-        for name, loop in (("plain", plain), ("hvd_adapt", adaptive)):
+        for name, loop in loops.items():
             times = loop(per_round)[args.warmup // args.rounds:]
             results[name] += times
             medians[name] = np.median(times)
@@ -123,13 +146,30 @@ def worker(args):
                        "steps": len(results["plain"])}, f)
 
 
-def launch(np_, args):
+# name: (width, depth, global batch, timed steps, rounds)
+MODELS = {"mlp-small": (256, 2, 64, 1200, 12), "mlp-8m": (1024, 8, 64, 160, 4),
+          "mlp-25m": (2048, 6, 32, 80, 4)}
+
+
+def peak_memory(device):
+    """Peak bytes this process has held: on CUDA allocated by torch, else resident."""
+    import resource
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def launch(np_, args, memory_of=None):
     out = tempfile.mktemp(suffix=".json")
     script = [HERE, "--worker", "--out", out, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
-              "--commit-every", str(args.commit_every), "--device", args.device]
+              "--commit-every", str(args.commit_every), "--device", args.device,
+              "--model", args.model]
     if args.measure_noise:
         script.append("--measure-noise")
+    if memory_of:
+        script += ["--memory-of", memory_of]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
     if np_ == 1:
@@ -145,11 +185,15 @@ def launch(np_, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1200, help="timed steps per loop")
-    parser.add_argument("--warmup", type=int, default=120)
-    parser.add_argument("--rounds", type=int, default=12,
+    parser.add_argument("--model", default="mlp-small,mlp-8m,mlp-25m",
+                        help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per loop (default: the model's)")
+    parser.add_argument("--warmup", type=int, default=None, help="default: a tenth of --steps")
+    parser.add_argument("--rounds", type=int, default=None,
                         help="alternations of the two loops (evens out drift on a shared machine)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    parser.add_argument("--memory-of", choices=["plain", "hvd_adapt"], help=argparse.SUPPRESS)
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--measure-noise", action="store_true",
@@ -160,16 +204,31 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    print(f"{'procs':>5} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
-          f"{'mean_ratio':>10} {'steps':>6}")
+    models = args.model.split(",")
+    for name in models:
+        if name not in MODELS:
+            parser.error(f"--model {name!r} is not one of {', '.join(MODELS)}")
+    print(f"{'model':>9} {'procs':>5} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
+          f"{'mean_ratio':>10} {'steps':>6} {'plain_MiB':>9} {'hvd_adapt_MiB':>13}")
     worst = 0.0
-    for np_ in [int(p) for p in args.procs.split(",")]:
-        r = launch(np_, args)
-        ratio = r["ratio"]
-        worst = max(worst, ratio)
-        mean_ratio = r["hvd_adapt_mean"] / r["plain_mean"]
-        print(f"{np_:>5} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} {ratio:>6.3f} "
-              f"{mean_ratio:>10.3f} {r['steps']:>6}", flush=True)
+    for name in models:
+        _, _, batch, steps, rounds = MODELS[name]
+        run = argparse.Namespace(**vars(args))
+        run.model = name
+        run.batch_size = args.batch_size or batch
+        run.steps = args.steps or steps
+        run.warmup = args.warmup if args.warmup is not None else max(run.steps // 10, 4)
+        run.rounds = args.rounds or rounds
+        for np_ in [int(p) for p in args.procs.split(",")]:
+            r = launch(np_, run)
+            mem = {loop: launch(np_, run, memory_of=loop)["peak_bytes"] / 2 ** 20
+                   for loop in ("plain", "hvd_adapt")}
+            ratio = r["ratio"]
+            worst = max(worst, ratio)
+            mean_ratio = r["hvd_adapt_mean"] / r["plain_mean"]
+            print(f"{name:>9} {np_:>5} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} "
+                  f"{ratio:>6.3f} {mean_ratio:>10.3f} {r['steps']:>6} {mem['plain']:>9.1f} "
+                  f"{mem['hvd_adapt']:>13.1f}", flush=True)
     print(f"overhead_ratio={worst:.3f} (goal <= 1.03)")
     return worst
 

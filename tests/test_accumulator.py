@@ -69,3 +69,14 @@ def test_state_dict_round_trip():
     assert repr(copy) == repr(acc)
     copy["b"] += 1
     assert acc["b"] == 2, "state dicts must not alias"
+
+
+def test_membership_get_len_and_iteration_agree_inside_and_outside_synchronized():
+    acc = Accumulator()
+    acc["seen"] += 2
+    assert "seen" in acc and "other" not in acc
+    assert acc.get("seen") == 2 and acc.get("other", -1) == -1
+    assert len(acc) == 1 and list(acc) == ["seen"]
+    with acc.synchronized():
+        assert "seen" in acc and "other" not in acc and len(acc) == 1
+        assert acc.get("other") is None and dict(acc) == {"seen": 2}

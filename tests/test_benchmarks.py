@@ -25,8 +25,12 @@ def test_goodput_optimize():
 
 @pytest.mark.distributed
 def test_overhead():
-    out = bench("overhead.py", "--steps", "20", "--warmup", "4", "--rounds", "1")
+    out = bench("overhead.py", "--model", "mlp-small,mlp-8m", "--steps", "10", "--warmup", "2",
+                "--rounds", "1", timeout=240)
     assert re.search(r"^overhead_ratio=[0-9.]+", out, re.M)
+    rows = re.findall(r"^ *(mlp-\S+) +(\d) +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +\d+ +[0-9.]+ +[0-9.]+$",
+                      out, re.M)
+    assert rows == [("mlp-small", "1"), ("mlp-small", "2"), ("mlp-8m", "1"), ("mlp-8m", "2")], out
 
 
 def test_time_to_accuracy():

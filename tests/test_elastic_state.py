@@ -255,3 +255,56 @@ def test_plain_torch_optimizer_is_carried_too():
     sgd.step()
     state.restore()
     assert torch.equal(sgd.state[model.weight]["momentum_buffer"], buffer)
+
+
+def test_checkpoint_holds_the_last_commit_not_the_live_state(tmp_path):
+    state, model, opt, loader, stats = make_job()
+    train_steps(state, model, opt, loader, stats, 1)
+    committed_position = loader.sampler.position
+    committed_weight = model.weight.detach().clone()
+    it = iter(loader)
+    x, y = next(it)                      # trained on, never committed
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    state.best = 0.75
+    assert loader.sampler.position > committed_position
+    state.save_checkpoint(str(tmp_path / "c.pt"))
+    fresh, fresh_model, _, fresh_loader, _ = make_job()
+    assert fresh.load_checkpoint(str(tmp_path / "c.pt"))
+    assert fresh_loader.sampler.position == committed_position
+    assert torch.equal(fresh_model.weight, committed_weight) and fresh.best == 0.0
+
+
+@pytest.mark.parametrize("name", ["epoch", "epochs"])
+def test_reserved_names_are_refused_with_the_name(name):
+    with pytest.raises(ValueError, match=f"reserves the name '{name}'"):
+        State(**{name: 0})
+
+
+class Counter:
+    """A value with a handler of its own and no state_dict()."""
+
+    def __init__(self, count):
+        self.count = count
+
+
+def test_values_of_registered_handlers_load_back_from_a_checkpoint(tmp_path):
+    from horovod.torch.elastic.state import StateHandler
+
+    class CounterHandler(StateHandler):
+        def save(self):
+            pass
+
+        def restore(self):
+            pass
+
+        def sync(self):
+            pass
+
+    hvd_adapt.register_handler(Counter, CounterHandler)
+    state = State(counter=Counter(7))
+    state.commit()
+    state.save_checkpoint(str(tmp_path / "c.pt"))
+    fresh = State(counter=Counter(0))
+    assert fresh.load_checkpoint(str(tmp_path / "c.pt"))
+    assert fresh.counter.count == 7

@@ -47,9 +47,12 @@ def test_digits_epochs_by_progress(by_progress):
 
 
 @pytest.mark.distributed
-def test_digits_on_two_processes():
-    job = run_job(horovodrun_command(2, [DIGITS, "--epochs", "4", "--quiet"])).check()
+@pytest.mark.parametrize("recipe", [[], ["--amp", "--clip", "1.0"]], ids=["sgd", "amp+clip"])
+def test_digits_on_two_processes(recipe):
+    job = run_job(horovodrun_command(2, [DIGITS, "--epochs", "4", "--quiet"] + recipe)).check()
     assert "2 replicas" in job.output
+    accuracy = float(re.search(r"final validation accuracy ([0-9.]+)", job.output).group(1))
+    assert accuracy >= 0.9, job.output[-3000:]
 
 
 def test_bert_pretrain_checkpoints_and_resumes(tmp_path):

@@ -41,10 +41,12 @@ def test_public_names_resolve_lazily():
 
 
 # `obj._name` on anything but self/cls: reading another object's private attribute.
-# Torch's own Module.state_dict() keeps `_metadata` on the dict it returns,
-# which load_state_dict reads back; copying it along is the one use allowed.
+# Two of torch's are allowed: Module.state_dict() keeps `_metadata` on the dict
+# it returns, which load_state_dict reads back, so a snapshot copies it; and
+# the autograd engine's queue_callback, the end-of-backward callback that DDP
+# and FSDP use too and that has no public equivalent.
 _FOREIGN_PRIVATE = re.compile(r"(?<![\w.])(?!self\b|cls\b|hvd_adapt\b)(\w+)\.(_[a-z]\w*)")
-_ALLOWED = {"_metadata"}
+_ALLOWED = {"_metadata", "_execution_engine"}
 
 
 def sources():

@@ -65,7 +65,8 @@ def test_noise_measurement_keeps_half_precision_gradients_exact():
     first, second = (torch.randn(40000, generator=gen).to(torch.bfloat16) for _ in range(2))
     pair = noise.GradientPair()
     pair.first([[first[:30000], first[30000:]], []])
-    first_sqr, second_sqr, dots = pair.second([[second[:30000], second[30000:]], []])
+    first_sqr, second_sqr, dots = (t.tolist() for t in pair.second(
+        [[second[:30000], second[30000:]], []]))
     assert first_sqr == pytest.approx([float((first.double() ** 2).sum()), 0.0], rel=1e-5)
     assert second_sqr == pytest.approx([float((second.double() ** 2).sum()), 0.0], rel=1e-5)
     assert dots == pytest.approx([float((first.double() * second.double()).sum()), 0.0],
@@ -80,8 +81,8 @@ def test_gradient_pair_needs_a_first_step_of_the_same_parameters():
     grads = [[torch.ones(3)], [torch.full((2,), 2.0)]]
     assert pair.second(grads) is None
     pair.first(grads)
-    first_sqr, second_sqr, dots = pair.second(grads)
-    assert list(first_sqr) == list(second_sqr) == list(dots) == [3.0, 8.0]
+    first_sqr, second_sqr, dots = (t.tolist() for t in pair.second(grads))
+    assert first_sqr == second_sqr == dots == [3.0, 8.0]
     assert pair.second(grads) is None  # a pair is used once
     pair.first(grads)
     pair.forget()

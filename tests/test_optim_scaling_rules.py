@@ -122,3 +122,80 @@ def test_converges_when_goodput_grows_the_batch(rule):
     # Label noise keeps SGD jittering around the optimum; it must still close
     # nine tenths of the distance.
     assert (w - w_best).norm() < 0.1 * (w_start - w_best).norm(), (w, w_best)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records each group's lr and betas as the step sees them."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([(g["lr"], g.get("betas")) for g in self.param_groups])
+        return super().step(closure)
+
+
+def steps_seen(rule, batch_size, init_batch_size, steps=3, groups=1, gns=None):
+    """What the wrapped optimizer's step saw, in a loader plan of ``batch_size`` at B0."""
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(groups)]
+    inner = RecordingSGD([{"params": [p], "lr": 0.1 * (i + 1), "betas": (0.9, 0.99)}
+                          for i, p in enumerate(params)], lr=0.1)
+    opt = DistributedOptimizer(inner, scaling_rule=rule)
+    if gns is not None:
+        opt.gns.load_state_dict(gns.state_dict())
+    data = TensorDataset(torch.ones(steps * batch_size, 2))
+    loader = AdaptiveDataLoader(data, batch_size=init_batch_size)
+    lo = batch_size
+    loader.autoscale_batch_size(max(batch_size, init_batch_size), local_bsz_bounds=(lo, lo),
+                                decide_every=1000)
+    opt.measure_noise = False
+    State(optimizer=opt, loader=loader)
+    for (x,) in loader:
+        opt.zero_grad()
+        sum((x @ p).sum() for p in params).backward()
+        opt.step()
+    return inner.seen, opt
+
+
+def test_legw_warms_up_at_the_initial_batch_too():
+    rule = LEGWScale(base_warmup_epochs=1, data_size=40)
+    # At B0 = 10 the warm-up lasts 1 * 1 * 40 / 10 = 4 B0-steps: lr x 0, 1/4, 2/4.
+    seen, _ = steps_seen(rule, 10, 10)
+    assert [s[0][0] for s in seen] == pytest.approx([0.0, 0.025, 0.05])
+    # At 2 x B0 it lasts 8 B0-steps, up to sqrt(2): lr x sqrt(2) * progress / 8.
+    seen, opt = steps_seen(rule, 20, 10)
+    assert [s[0][0] for s in seen] == pytest.approx([0.1 * math.sqrt(2) * k / 8 for k in (0, 1, 2)])
+    assert opt.gns.progress == 3  # gain 1 without a noise estimate
+
+
+@pytest.mark.parametrize("rule,factor", [
+    (AdaScale(), lambda s, g: g), (AdamScale(), lambda s, g: math.sqrt(g)),
+    (LinearScale(), lambda s, g: s), (SqrtScale(), lambda s, g: math.sqrt(s))], ids=str)
+@pytest.mark.parametrize("scale", [1, 3])
+def test_rules_inside_the_optimizer_match_their_closed_forms(rule, factor, scale):
+    gns = gns_with(1.0, 30.0)
+    seen, opt = steps_seen(rule, 10 * scale, 10, gns=gns)
+    gain = float(gns.gain(10 * scale, 10))
+    assert [s[0][0] for s in seen] == pytest.approx([0.1 * factor(scale, gain)] * 3)
+
+
+def test_adamscale_raises_each_groups_betas_to_its_own_gain():
+    gns = GradientNoiseScale(num_groups=2)
+    # Group 0 noise-dominated (large gain), group 1 noise-free (gain 1).
+    gns.update([31.0, 2.0], [16.0, 2.0], micro_bsz=1, num_micro=2, init_batch_size=10)
+    gains = gns.gain(40, 10, per_group=True)
+    assert gains[0] > 1.5 and gains[1] == pytest.approx(1.0)
+    seen, _ = steps_seen(AdamScale(), 40, 10, groups=2, gns=gns)
+    for (lr0, betas0), (lr1, betas1) in seen:
+        assert betas0 == pytest.approx((0.9 ** gains[0], 0.99 ** gains[0]))
+        assert betas1 == pytest.approx((0.9, 0.99))
+
+
+def test_a_horovod_distributed_optimizer_is_refused():
+    import horovod.torch as hvd
+    model = torch.nn.Linear(2, 1)
+    wrapped = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+    with pytest.raises(ValueError, match="Horovod DistributedOptimizer.*plain torch optimizer"):
+        DistributedOptimizer(wrapped)

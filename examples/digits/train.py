@@ -45,11 +45,17 @@ def parse_args(argv=None):
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="stop once validation accuracy reaches this")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--amp", action="store_true",
+                        help="mixed precision: autocast (bf16 on CPU, fp16 on CUDA) with a GradScaler")
+    parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                        help="clip the averaged gradients' norm to MAX_NORM")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: this replica's GPU where CUDA is available, else the CPU")
     args = parser.parse_args(argv)
     if args.batches_per_commit < 1:
         parser.error(f"--batches-per-commit must be >= 1, got {args.batches_per_commit}")
+    if args.clip is not None and not args.clip > 0:
+        parser.error(f"--clip must be > 0, got {args.clip}")
     return args
 
 
@@ -83,8 +89,10 @@ def main(argv=None):
 
     device = hvd_adapt.env.device(args.device)
     model = make_model().to(device)
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type) if args.amp else None
     opt = hvd_adapt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), grad_scaler=scaler)
     train_loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     if not args.no_autoscale:
         train_loader.autoscale_batch_size(args.max_batch_size,
@@ -116,10 +124,25 @@ def main(argv=None):
                 batches = tqdm(train_loader, desc=f"epoch {epoch}", leave=False)
             for step, (x, y) in enumerate(batches, 1):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
-                loss.backward()
-                opt.step()
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+                    loss = F.cross_entropy(model(x), y)
+                if scaler is not None:
+                    # Gradients are averaged over replicas when backward returns, so
+                    # unscaling, clipping and the scaler's skip decision agree on every rank.
+                    scaler.scale(loss).backward()
+                    opt.synchronize()
+                    scaler.unscale_(opt)
+                else:
+                    loss.backward()
+                if args.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                if scaler is not None:
+                    with opt.skip_synchronize():
+                        scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 real = len(y) - train_loader.num_padded
                 stats["train_loss"] += loss.item() * real
                 stats["train_n"] += real
@@ -133,7 +156,7 @@ def main(argv=None):
                 for x, y in val_loader:
                     x, y = x.to(device), y.to(device)
                     real = len(y) - val_loader.num_padded
-                    logits = model(x)[:real]
+                    logits = model(x)[:real].float()
                     stats["val_loss"] += F.cross_entropy(logits, y[:real], reduction="sum").item()
                     stats["val_correct"] += int((logits.argmax(1) == y[:real]).sum())
                     stats["val_n"] += real

@@ -1,15 +1,11 @@
-"""A distributed optimizer that measures gradients before averaging them.
+"""The distributed optimizer: gradients averaged during backward, the noise scale measured
+before averaging, and the learning rate scaled for the batch size in use.
 
-Horovod's ``hvd.DistributedOptimizer`` averages gradients inside backward and
-fixes the accumulation count at construction. Goodput scaling needs the
-local gradient norms before averaging (for the noise scale) and an
-accumulation count that changes while training, so this wrapper keeps
-micro-batch gradients itself and averages all of them in one Horovod
-``grouped_allreduce_`` per optimizer step. Which batches end a cycle, and
-which batch sizes the learning rate is scaled between, it asks the
-controller of the loader it trains on.
+Which batches end an accumulation cycle, and which batch sizes the learning
+rate is scaled between, it asks the controller of the loader it trains on;
+the averaging itself happens in ``exchange.py``'s hooks.
 """
-import time
+import contextlib
 
 import horovod.torch as hvd
 import torch
@@ -17,26 +13,40 @@ import torch
 from .._runtime import collective, env
 from ..autoscale.controller import Controller
 from ..elastic.participant import Participant
-from .noise import PAIR_EVERY, GradientNoiseScale, GradientPair, group_sqnorms, stats_dtype
+from .exchange import Cycle, GradientExchange
+from .noise import PAIR_EVERY, GradientNoiseScale
 from .scaling_rules import ScalingRule, default_rule
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Participant):
     """Wrap ``optimizer``: average gradients over replicas, accumulate, scale the lr.
 
-    Call ``step()`` after every batch, as without accumulation: on the
-    batches where the loader says ``is_optim_step()`` is False, ``step()``
-    only stashes the gradient (and clears ``.grad``), so ``zero_grad()`` every
-    batch is right. On optimizer steps the stashed and current gradients are
-    averaged over micro-batches and replicas, the gradient noise scale is
-    updated, and the wrapped optimizer steps with its lr scaled by
-    ``scaling_rule`` (default: AdaScale, AdamScale for Adam-like optimizers)
-    for batches above the loader's initial ``batch_size``.
+    The loop is a plain PyTorch loop; call ``zero_grad()``, ``backward()``
+    and ``step()`` for every batch. Gradients are averaged over replicas by
+    Horovod allreduces started from per-parameter hooks as backward produces
+    them, on the last micro-step of an accumulation cycle only (earlier
+    micro-steps accumulate into ``.grad``, and ``zero_grad()`` and ``step()``
+    leave them alone), and they are averaged when ``backward()`` returns, so
+    clipping and mixed precision work as in one process::
 
-    The noise scale costs a few passes over the gradients per step (with one
-    replica and no accumulation, on two steps in every four); it is measured
+        scaler.scale(loss).backward()     # averaged over replicas here
+        opt.synchronize()                 # (a no-op then; kept for Horovod's recipes)
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)              # every rank skips an overflowing step alike
+        scaler.update()
+
+    ``step()`` updates the gradient noise scale and steps the wrapped
+    optimizer with its lr scaled by ``scaling_rule`` (default: AdaScale,
+    AdamScale for Adam-like optimizers); a step that is skipped counts
+    neither as progress nor as a noise sample. The noise scale is measured
     when ``measure_noise`` is True, or (the default, None) when the loader
-    autoscales its batch size, the one use it has there.
+    autoscales its batch size; for Adam-like optimizers in the space their
+    second moment preconditions. Pass ``grad_scaler`` (a
+    ``torch.amp.GradScaler``) so that the measurements are divided by its
+    loss scale. ``compression``, ``op`` and ``gradient_predivide_factor``
+    mean what they mean to ``hvd.DistributedOptimizer``.
 
     >>> import hvd_adapt, torch
     >>> hvd_adapt.init()
@@ -47,7 +57,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     sync_after_every_reset = False
 
-    def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None):
+    def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None,
+                 compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if callable(getattr(optimizer, "synchronize", None)) \
@@ -60,6 +71,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scaling_rule is not None and not isinstance(scaling_rule, ScalingRule):
             raise ValueError(f"scaling_rule must be an hvd_adapt ScalingRule, got {scaling_rule!r}")
+        op = hvd.Average if op is None else op
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got "
+                             f"{gradient_predivide_factor!r}")
         # Optimizer.__init__ is skipped on purpose: groups and state are the
         # wrapped optimizer's own objects, so schedulers and checkpoints that
         # touch either see one truth.
@@ -68,12 +85,25 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.scaling_rule = scaling_rule or default_rule(optimizer)
         self.gns = GradientNoiseScale(len(optimizer.param_groups), smoothing=smoothing)
         self.measure_noise = measure_noise
+        self.grad_scaler = grad_scaler
         self._controller = None
-        self._stash = None
-        self._micro_sqr = None
-        self._micro_count = 0
-        self._pair = GradientPair()
-        self._single_steps = 0
+        self._single_steps = 0      # optimizer steps taken alone (for the pair's phase)
+        self._pair_scale = None     # the loss scale the kept first step was measured at
+        self._skip_sync = False
+        self._op = op
+        self._compression = compression or hvd.Compression.none
+        self._predivide = gradient_predivide_factor
+        self._exchange = None
+        self._hook_params()
+
+    def _hook_params(self):
+        if self._exchange is not None:
+            self._exchange.remove()
+        self._group_of = {p: group for group in self.optimizer.param_groups
+                          for p in group["params"]}
+        self._exchange = GradientExchange(self.optimizer.param_groups, self._plan_cycle,
+                                          self._preconditioner, self._compression, self._op,
+                                          self._predivide)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
     @property
@@ -91,17 +121,25 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return f"hvd_adapt.DistributedOptimizer({self.optimizer!r})"
 
     def add_param_group(self, param_group):
+        """Add a group to the wrapped optimizer; its parameters get gradient hooks too."""
         self.optimizer.add_param_group(param_group)
         self.gns = GradientNoiseScale(len(self.optimizer.param_groups), self.gns.smoothing)
         if self._controller is not None:
             self._controller.attach_noise_scale(self.gns)
+        self._hook_params()
 
     def zero_grad(self, set_to_none=True):
+        """Clear the gradients, except between the micro-steps of an accumulation cycle."""
+        if self._exchange.cycle_open:
+            return
+        # A step that was skipped (GradScaler found inf) leaves its cycle behind: drop it.
+        self._exchange.take_finished()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    # -- collaborators -----------------------------------------------------------------
     def attach(self, controller):
         """Train on the loader whose :class:`~hvd_adapt.autoscale.controller.Controller` this is:
-        its cycles decide when to step, its batch sizes how to scale the lr."""
+        its cycles decide when to average and step, its batch sizes how to scale the lr."""
         if not isinstance(controller, Controller):
             raise ValueError(f"expected an hvd_adapt Controller, got {controller!r}")
         self._controller = controller
@@ -117,133 +155,125 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     def on_reset(self):
         self.discard_accumulation()
 
-    def _grads(self):
-        return [[p.grad for p in group["params"] if p.grad is not None]
-                for group in self.param_groups]
+    def discard_accumulation(self):
+        """Forget accumulated micro-steps, measurements and the kept step (after a restore)."""
+        self._exchange.discard()
+        self._pair_scale = None
 
-    def _params_with_grad(self):
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
-    def step(self, closure=None):
-        """Stash the gradient on accumulation steps; average, measure and step otherwise."""
-        controller = self._controller
-        if controller is not None and not controller.is_optim_step():
-            self._accumulate()
-            return None
-        return self._synchronized_step(closure)
-
+    # -- what each backward pass does --------------------------------------------------
     def _measuring(self):
         if self._controller is None:
-            return False
+            return bool(self.measure_noise)
         if self.measure_noise is None:
             return self._controller.autoscaling
         return self.measure_noise
 
-    def _accumulate(self):
-        if self._measuring():
-            sqr = group_sqnorms(self._grads())
-            self._micro_sqr = sqr if self._micro_sqr is None else self._micro_sqr + sqr
-        self._micro_count += 1
-        params = self._params_with_grad()
-        if self._stash is None:
-            self._stash = [torch.zeros_like(p) for p in params]
-        for buf, p in zip(self._stash, params):
-            if p.grad is not None:
-                buf.add_(p.grad)
-                p.grad = None
+    def _plan_cycle(self):
+        controller = self._controller
+        last = controller is None or controller.is_optim_step()
+        replicas = env.size()
+        measure = self._measuring() and self._controller is not None
+        pair = None
+        if measure and replicas == 1 and last and not self._exchange.cycle_open:
+            phase = self._single_steps % PAIR_EVERY
+            pair = {0: "first", 1: "second"}.get(phase)
+            measure = pair is not None
+        return Cycle(last, measure, replicas, pair)
 
-    def discard_accumulation(self):
-        """Drop stashed micro-batch gradients and the previous step's (after a restore)."""
-        self._discard_stash()
-        self._pair.forget()
+    def _preconditioner(self, p):
+        """Adam's 1 / (sqrt(v_hat) + eps) for ``p``, so that the noise is measured in the space
+        the update is taken in (AdaptDL's AdamGradientNoiseScale); None for other optimizers
+        and before Adam's first step."""
+        state = self.optimizer.state.get(p)
+        if not state or "exp_avg_sq" not in state:
+            return None
+        group = self._group_of[p]
+        step = float(state["step"])
+        correction = 1 - group["betas"][1] ** step
+        return 1.0 / (state["exp_avg_sq"].div(correction).sqrt_().add_(group["eps"]))
 
-    def _synchronized_step(self, closure):
-        params = self._params_with_grad()
-        for p in params:
-            if p.grad is None:
-                # Every replica must pass the same tensors to the allreduce.
-                p.grad = torch.zeros_like(p)
-        measuring = self._measuring()
-        micro = self._micro_count + 1
-        size = env.size()
-        if measuring and micro * size == 1:
-            self._measure_single()
-            return self._scaled_step(closure)
-        self._pair.forget()
-        last_sqr = group_sqnorms(self._grads()) if measuring else None
-        if self._stash is not None:
-            for buf, p in zip(self._stash, params):
-                p.grad.add_(buf)
-        if micro > 1:
-            for p in params:
-                p.grad.div_(micro)
-        local_sqr = None
-        if measuring:
-            micro_sqr = last_sqr if self._micro_sqr is None else last_sqr + self._micro_sqr
-            local_sqr = micro_sqr / micro
-        if size > 1:
-            started = time.perf_counter()
-            tensors = [p.grad for p in params]
-            if measuring:
-                local_sqr = local_sqr.to(stats_dtype(params))
-                tensors.append(local_sqr)
-            # A fixed name lets Horovod's response cache skip negotiation.
-            hvd.grouped_allreduce_(tensors, op=hvd.Average, name="hvd_adapt.grads")
+    # -- Horovod's names -----------------------------------------------------------------
+    def synchronize(self):
+        """Wait for the gradient allreduces; afterwards every rank holds the averaged
+        gradients. They are waited for at the end of backward already, so this only
+        matters for code that reads gradients from inside the backward pass."""
+        self._exchange.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's context for ``step()`` after an explicit ``synchronize()``; here
+        ``step()`` never waits again, so it only keeps Horovod's recipes working."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self, closure=None):
+        """On the last micro-step of a cycle: take the noise measurement, step the wrapped
+        optimizer with the scaled lr and count the progress. Elsewhere nothing."""
+        if self._exchange.cycle_open:
+            return None
+        if not self._skip_sync:
+            self._exchange.synchronize()
+        finished = self._exchange.take_finished()
+        if finished is not None:
+            cycle, micro, stats, sync_seconds = finished
             if self._controller is not None:
-                self._controller.record_sync(time.perf_counter() - started)
-        self._discard_stash()
-        if measuring:
-            local_sqr, total_sqr = torch.stack([local_sqr.double(),
-                                                group_sqnorms(self._grads())]).cpu().numpy()
-            self.gns.update(local_sqr, total_sqr, self._controller.local_bsz, micro * size,
-                            self._controller.init_batch_size)
+                if cycle.replicas > 1:
+                    self._controller.record_sync(sync_seconds)
+                self._take_measurement(cycle, micro, stats)
         return self._scaled_step(closure)
 
-    def _discard_stash(self):
-        self._stash = None
-        self._micro_sqr = None
-        self._micro_count = 0
-
-    def _measure_single(self):
-        """One gradient per step: pair one step's gradient with the next one's, every
-        ``PAIR_EVERY`` steps, using |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4."""
-        phase = self._single_steps % PAIR_EVERY
-        self._single_steps += 1
-        if phase == 0:
-            self._pair.first(self._grads())
-        if phase != 1:
+    def _take_measurement(self, cycle, micro, stats):
+        if not self._measuring():
             return
-        paired = self._pair.second(self._grads())
-        if paired is None:
+        scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        if cycle.replicas == 1 and micro == 1:
+            # One step in PAIR_EVERY keeps its gradients, the next pairs with them.
+            self._single_steps += 1
+            if cycle.pair == "first":
+                self._pair_scale = scale
+            if stats is None or not stats.pair or self._pair_scale != scale:
+                return
+        if stats is None:
             return
-        first_sqr, second_sqr, dots = paired
-        local_bsz = self._controller.local_bsz
-        self.gns.update((first_sqr + second_sqr) / 2, (first_sqr + second_sqr + 2 * dots) / 4,
-                        local_bsz, 2, self._controller.init_batch_size,
-                        samples=PAIR_EVERY * local_bsz)
+        local, total = torch.stack([stats.local, stats.total]).cpu().numpy() / scale ** 2
+        if self._op == hvd.Sum:
+            total = total / env.size() ** 2
+        local_bsz, init = self._controller.local_bsz, self._controller.init_batch_size
+        samples = PAIR_EVERY * local_bsz if stats.pair else None
+        self.gns.update(local, total, local_bsz, stats.num_micro, init, samples=samples)
 
     def _scaled_step(self, closure):
         controller = self._controller
-        if controller is None or controller.batch_size <= controller.init_batch_size:
+        if controller is None:
             self.gns.progress += 1.0
             return self.optimizer.step(closure)
         batch_size, init_batch_size = controller.batch_size, controller.init_batch_size
         groups = self.param_groups
         factors = self.scaling_rule.lr_factors(self.gns, batch_size, init_batch_size, len(groups))
         saved = []
-        for factor, group in zip(factors, groups):
-            original = self.scaling_rule.adjust_group(group, self.gns, batch_size, init_batch_size)
-            original["lr"] = group["lr"]
-            group["lr"] = group["lr"] * float(factor)
+        for index, (factor, group) in enumerate(zip(factors, groups)):
+            original = self.scaling_rule.adjust_group(group, self.gns, batch_size,
+                                                      init_batch_size, index)
+            if factor != 1.0:
+                original["lr"] = group["lr"]
+                group["lr"] = group["lr"] * float(factor)
             saved.append(original)
         try:
             result = self.optimizer.step(closure)
         finally:
             for original, group in zip(saved, groups):
                 group.update(original)
-        self.gns.progress += float(self.gns.gain(batch_size, init_batch_size))
+        if batch_size > init_batch_size:
+            self.gns.progress += float(self.gns.gain(batch_size, init_batch_size))
+        else:
+            self.gns.progress += 1.0
         return result
 
+    # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
         """Collective: adopt rank 0's optimizer state and noise scale; drop accumulated gradients."""
         collective.broadcast_optimizer_state(self.optimizer)

@@ -136,13 +136,20 @@ def wide_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+def sqnorm(tensor):
+    """Squared L2 norm as a 0-d float64 tensor on the tensor's device (no host sync)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64):
+        return torch.dot(flat, flat).double()
+    return torch.linalg.vector_norm(flat, dtype=wide_dtype(flat.dtype)).double().pow(2)
+
+
 def group_sqnorms(groups):
     """Squared L2 norm of each group's tensors together: a float64 tensor on their device, so
     that measuring costs no device sync until the step's results are read together."""
     device = next((g.device for grads in groups for g in grads), "cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([torch.stack([torch.linalg.vector_norm(g, dtype=wide_dtype(g.dtype))
-                                     for g in grads]).double().pow(2).sum() if grads else zero
+    return torch.stack([torch.stack([sqnorm(g) for g in grads]).sum() if grads else zero
                         for grads in groups])
 
 
@@ -150,7 +157,7 @@ def stats_dtype(params):
     """The dtype to allreduce the local norms in: the gradients' own where it holds a squared
     norm, float64 otherwise. Horovod fuses one dtype into one buffer: a float64 tensor beside
     float32 gradients was a second allreduce every step (see ``benchmarks/RESULTS.md``)."""
-    dtypes = {p.grad.dtype for p in params}
+    dtypes = {p.grad.dtype for p in params if p.grad is not None}
     if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}:
         return dtypes.pop()
     return torch.float64
@@ -165,50 +172,47 @@ PAIR_EVERY = 4
 
 
 class GradientPair:
-    """Two consecutive steps' gradients, flattened into the two rows of one buffer.
+    """One step's gradients kept, to pair with the next step's: one gradient-sized buffer.
 
-    Storing one is a copy; their squared norms and dot product for every
-    parameter group come from one Gram matrix and one device sync.
+    Storing the first is a copy; the second is read where it lies, so
+    pairing allocates nothing gradient-sized. Results stay on the device.
     """
 
     def __init__(self):
         self._buffer = None
         self._sizes = None
-        self._has_first = False
+        self._first_sqr = None
 
     def forget(self):
-        self._has_first = False
-
-    def _store(self, groups, row):
-        flat = [g.reshape(-1) for grads in groups for g in grads]
-        if not flat:
-            return False
-        sizes = [sum(g.numel() for g in grads) for grads in groups]
-        dtype = wide_dtype(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
-        buffer = self._buffer
-        if buffer is None or self._sizes != sizes or buffer.dtype != dtype \
-                or buffer.device != flat[0].device:
-            if row == 1:
-                return False
-            buffer = self._buffer = torch.zeros((2, sum(sizes)), dtype=dtype, device=flat[0].device)
-            self._sizes = sizes
-        torch.cat(flat, out=buffer[row])
-        return True
+        self._first_sqr = None
 
     def first(self, groups):
-        """Store the first step's gradients (one list of tensors per group)."""
-        self._has_first = self._store(groups, 0)
+        """Keep the first step's gradients (one list of tensors per group)."""
+        flat = [g.reshape(-1) for grads in groups for g in grads]
+        if not flat:
+            self._first_sqr = None
+            return
+        sizes = [[g.numel() for g in grads] for grads in groups]
+        dtype = wide_dtype(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
+        if self._buffer is None or self._sizes != sizes or self._buffer.dtype != dtype \
+                or self._buffer.device != flat[0].device:
+            self._buffer = torch.empty(sum(g.numel() for g in flat), dtype=dtype,
+                                       device=flat[0].device)
+            self._sizes = sizes
+        torch.cat(flat, out=self._buffer)
+        self._first_sqr = group_sqnorms(groups)
 
     def second(self, groups):
-        """Store the second step's; returns ``(first_sqr, second_sqr, dots)`` per group as numpy
-        arrays, or None when there is no first step to pair with."""
-        if not (self._has_first and self._store(groups, 1)):
+        """``(first_sqr, second_sqr, dots)`` per group as float64 tensors on the device, or
+        None when there is no first step of the same parameters to pair with."""
+        sizes = [[g.numel() for g in grads] for grads in groups]
+        if self._first_sqr is None or sizes != self._sizes:
             return None
-        self._has_first = False
-        if len(self._sizes) == 1:
-            gram = torch.mm(self._buffer, self._buffer.t()).unsqueeze(0)
-        else:
-            gram = torch.stack([torch.mm(part, part.t())
-                                for part in self._buffer.split(self._sizes, dim=1)])
-        gram = gram.cpu().numpy()
-        return gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1]
+        parts = iter(self._buffer.split([n for group in sizes for n in group]))
+        zero = torch.zeros((), dtype=torch.float64, device=self._buffer.device)
+        dots = torch.stack([
+            torch.stack([torch.dot(next(parts), g.reshape(-1).to(self._buffer.dtype)).double()
+                         for g in grads]).sum() if grads else zero
+            for grads in groups])
+        first, self._first_sqr = self._first_sqr, None
+        return first, group_sqnorms(groups), dots

@@ -20,8 +20,9 @@ class ScalingRule:
     def lr_factors(self, gns, batch_size, init_batch_size, num_groups):
         raise NotImplementedError
 
-    def adjust_group(self, group, gns, batch_size, init_batch_size):
-        """Per-group hyper-parameters other than lr to change for one step; returns the originals."""
+    def adjust_group(self, group, gns, batch_size, init_batch_size, index=None):
+        """Hyper-parameters other than lr of group ``index`` to change for one step; returns
+        the originals (restored after the step)."""
         return {}
 
 
@@ -50,10 +51,12 @@ class AdamScale(AdaScale):
     def lr_factors(self, gns, batch_size, init_batch_size, num_groups):
         return np.sqrt(super().lr_factors(gns, batch_size, init_batch_size, num_groups))
 
-    def adjust_group(self, group, gns, batch_size, init_batch_size):
+    def adjust_group(self, group, gns, batch_size, init_batch_size, index=None):
         if "betas" not in group:
             return {}
-        gain = float(np.mean(gns.gain(batch_size, init_batch_size, per_group=True)))
+        gains = np.atleast_1d(gns.gain(batch_size, init_batch_size, per_group=True))
+        # Each group's moments forget at the pace of its own gain.
+        gain = float(np.mean(gains) if index is None else gains[min(index, len(gains) - 1)])
         original = {"betas": group["betas"]}
         group["betas"] = tuple(beta ** gain for beta in group["betas"])
         return original

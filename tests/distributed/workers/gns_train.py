@@ -1,8 +1,13 @@
 """Gradient noise scale on a problem whose answer is known.
 
-loss = mean over the batch of <w, x>, so the per-sample gradient is x itself:
-with x ~ N(mu, diag(sigma^2)), |G|^2 = |mu|^2 and tr(Sigma) = sum(sigma^2).
-lr = 0 keeps w still; only the estimator moves.
+``--problem linear``: loss = mean over the batch of <w, x>, so the per-sample
+gradient is x itself: with x ~ N(mu, diag(sigma^2)), |G|^2 = |mu|^2 and
+tr(Sigma) = sum(sigma^2), wherever w is. ``--problem quadratic``: loss =
+mean of |w - x|^2 / 2, per-sample gradient w - x: tr(Sigma) = sum(sigma^2)
+while |G|^2 = |w - mu|^2 shrinks as a learning rate ``--lr`` moves w.
+With ``--optimizer adam`` the statistics are those of the gradient
+preconditioned by Adam's second moment, P = 1 / (sqrt(v_hat) + eps): the
+true values are computed from the final v.
 """
 import argparse
 
@@ -20,12 +25,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--accumulate", action="store_true")
     parser.add_argument("--samples", type=int, default=24000)
+    parser.add_argument("--problem", choices=["linear", "quadratic"], default="linear")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--lr", type=float, default=0.0)
     args = parser.parse_args()
     hvd_adapt.init()
     gen = torch.Generator().manual_seed(1)
     x = MU + SIGMA * torch.randn(args.samples, DIM, generator=gen)
     w = torch.nn.Parameter(torch.zeros(DIM))
-    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0), measure_noise=True)
+    if args.optimizer == "sgd":
+        inner = torch.optim.SGD([w], lr=args.lr)
+    else:
+        inner = torch.optim.Adam([w], lr=args.lr)
+    opt = hvd_adapt.DistributedOptimizer(inner, measure_noise=True)
     loader = hvd_adapt.AdaptiveDataLoader(TensorDataset(x), batch_size=16, shuffle=True)
     if args.accumulate:
         # Bounds force 4 micro-batches of 4 per replica-step.
@@ -33,12 +45,23 @@ def main():
     hvd_adapt.State(model=None, optimizer=opt, loader=loader)
     for (xb,) in loader:
         opt.zero_grad()
-        (xb @ w).mean().backward()
+        if args.problem == "linear":
+            (xb @ w).mean().backward()
+        else:
+            (0.5 * (w - xb).pow(2).sum(1)).mean().backward()
         opt.step()
+    true_sqr, true_trace = TRUE_SQR, TRUE_TRACE
+    if args.problem == "quadratic":
+        true_sqr = float((w.detach() - MU).pow(2).sum())
+    if args.optimizer == "adam":
+        state = inner.state[w]
+        pre = 1 / ((state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))).sqrt() + 1e-8)
+        true_sqr = float((pre ** 2 * MU ** 2).sum())
+        true_trace = float((pre ** 2 * SIGMA ** 2).sum())
     report({"sqr": float(opt.gns.sqr.sum()), "trace": float(opt.gns.trace.sum()),
             "updates": opt.gns.num_updates, "local_bsz": loader.current_local_bsz,
-            "accum": loader.accumulation_steps, "true_sqr": TRUE_SQR,
-            "true_trace": TRUE_TRACE}, hvd_adapt.env.rank())
+            "accum": loader.accumulation_steps, "true_sqr": true_sqr,
+            "true_trace": true_trace}, hvd_adapt.env.rank())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""Gradient averaging from per-parameter hooks, overlapped with the backward pass.
+
+As in ``hvd.DistributedOptimizer``, each parameter's allreduce starts as soon
+as its gradient is accumulated (Horovod's tensor fusion batches them), but
+only on the last micro-step of an accumulation cycle: earlier micro-steps
+accumulate into ``.grad`` with no communication and no extra copy. Unlike
+Horovod's, the averaged gradients are waited for at the end of that
+backward pass (as DDP does), so when ``loss.backward()`` returns every rank
+holds the same gradients: clipping, ``GradScaler.unscale_`` and its skip
+decision see averaged values, and a rank that then skips ``step()`` leaves
+no collective behind.
+
+The squared norms the noise scale needs are taken in the hooks, on the
+device, before anything is averaged.
+"""
+import functools
+import time
+
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HorovodInternalError
+from torch.autograd import Variable
+
+from .noise import GradientPair, group_sqnorms, sqnorm, stats_dtype
+
+
+class Cycle:
+    """What one backward pass must do; the optimizer answers it before each backward.
+
+    ``last``: it ends an accumulation cycle, so the gradients are averaged.
+    ``measure``: take the squared norms the noise scale needs. ``pair``:
+    with one replica and no accumulation, "first" keeps this step's
+    gradients and "second" pairs them with the kept ones (else None).
+    """
+
+    def __init__(self, last, measure, replicas, pair=None):
+        self.last, self.measure, self.replicas, self.pair = last, measure, replicas, pair
+
+
+class Measurement:
+    """One cycle's squared norms per group (float64 device tensors): ``local`` is the mean
+    over micro-batches of each one's, ``total`` the mean gradient's, over ``num_micro``
+    micro-batches; ``pair`` says they come from two consecutive steps."""
+
+    def __init__(self, local, total, num_micro, pair=False):
+        self.local, self.total, self.num_micro, self.pair = local, total, num_micro, pair
+
+
+class GradientExchange:
+    """Hooks on every trainable parameter of ``param_groups`` that average gradients.
+
+    ``plan()`` returns the :class:`Cycle` for the backward pass starting;
+    ``precondition(p)`` a tensor to multiply p's gradient by before its norm
+    is taken, or None. After the last micro-step's backward, :attr:`stats`
+    holds its :class:`Measurement` when one was taken (else None),
+    :attr:`finished` its :class:`Cycle` and number of micro-steps, and
+    :attr:`sync_seconds` the time spent waiting for the allreduces; the
+    optimizer takes them with :meth:`take_finished`.
+    """
+
+    def __init__(self, param_groups, plan, precondition, compression, op,
+                 gradient_predivide_factor):
+        self._groups = [[p for p in group["params"] if p.requires_grad] for group in param_groups]
+        self._names = {}
+        for index, p in enumerate(p for group in self._groups for p in group):
+            self._names[p] = f"hvd_adapt.grad.{index}"
+        self._plan = plan
+        self._precondition = precondition
+        self._compression = compression
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._cycle = None        # the plan of the backward pass under way
+        self._micro_steps = 0     # backward passes so far in this accumulation cycle
+        self._micro_sqr = None    # per group, summed over this cycle's micro-batches
+        self._handles = {}
+        self._pair = GradientPair()
+        self.stats = None
+        self.finished = None
+        self.sync_seconds = 0.0
+        self._hooks = []
+        for group_index, group in enumerate(self._groups):
+            for p in group:
+                self._hooks.append(p.register_hook(
+                    functools.partial(self._on_grad, group_index, p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_accumulated))
+
+    def remove(self):
+        """Take the hooks off the parameters."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    @property
+    def cycle_open(self):
+        """True between the micro-steps of an accumulation cycle (gradients must be kept)."""
+        return self._micro_steps > 0
+
+    def discard(self):
+        """Forget the cycle (after a reset: handles of the old world are dead)."""
+        self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
+        self._handles = {}
+        self._pair.forget()
+        self.take_finished()
+
+    def take_finished(self):
+        """``(cycle, micro_steps, measurement, sync_seconds)`` of the last finished cycle, or
+        None; cleared by the call (a skipped step's are dropped by the next ``zero_grad``)."""
+        if self.finished is None:
+            return None
+        taken = self.finished + (self.stats, self.sync_seconds)
+        self.finished, self.stats, self.sync_seconds = None, None, 0.0
+        return taken
+
+    # -- hooks -------------------------------------------------------------------------
+    def _start_backward(self):
+        self._cycle = self._plan()
+        # Runs once the whole backward pass is done, on the thread that ran it.
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, group_index, p, grad):
+        # The gradient of this micro-batch alone, before it is added to .grad.
+        if self._cycle is None:
+            self._start_backward()
+        cycle = self._cycle
+        if cycle.measure and (cycle.replicas > 1 or not cycle.last or self._micro_steps > 0):
+            pre = self._precondition(p)
+            if self._micro_sqr is None:
+                self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
+                                              device=grad.device)
+            self._micro_sqr[group_index] += sqnorm(grad if pre is None else grad * pre)
+        return None
+
+    def _on_accumulated(self, p):
+        if self._cycle is None:
+            self._start_backward()
+        if self._cycle.last and self._cycle.replicas > 1:
+            self._start_allreduce(p)
+
+    def _start_allreduce(self, p):
+        micro = self._micro_steps + 1
+        prescale = 1.0 / micro
+        postscale = 1.0
+        if self._op == hvd.Average:
+            # As Horovod splits the average: the backend divides by size() after this.
+            prescale /= self._predivide
+            postscale = self._predivide
+        compressed, ctx = self._compression.compress(p.grad)
+        handle = hvd.allreduce_async_(compressed, name=self._names[p], op=self._op,
+                                      prescale_factor=prescale, postscale_factor=postscale)
+        self._handles[p] = (handle, compressed, ctx)
+
+    def _end_backward(self):
+        cycle, self._cycle = self._cycle, None
+        if not cycle.last:
+            self._micro_steps += 1
+            return
+        micro = self._micro_steps + 1
+        self._micro_steps = 0
+        params = [p for group in self._groups for p in group]
+        if cycle.replicas > 1:
+            for p in params:
+                if p not in self._handles:
+                    # Every replica must pass the same tensors: one that got no
+                    # gradient this cycle sends zeros.
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    self._start_allreduce(p)
+        elif micro > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(micro)
+        local, local_handle = None, None
+        if cycle.measure and self._micro_sqr is not None:
+            local = self._micro_sqr / micro
+            if cycle.replicas > 1:
+                local = local.to(stats_dtype(params))
+                local_handle = hvd.allreduce_async_(local, name="hvd_adapt.grad_stats",
+                                                    op=hvd.Average)
+        self._micro_sqr = None
+        started = time.perf_counter()
+        self.synchronize()
+        if local_handle is not None:
+            local = hvd.synchronize(local_handle).double()
+        self.sync_seconds = time.perf_counter() - started
+        self.finished = (cycle, micro)
+        self.stats = None
+        if local is not None:
+            self.stats = Measurement(local, group_sqnorms(self.grads_by_group()),
+                                     micro * cycle.replicas)
+        elif cycle.measure and cycle.pair == "first":
+            self._pair.first(self.grads_by_group())
+        elif cycle.measure and cycle.pair == "second":
+            paired = self._pair.second(self.grads_by_group())
+            if paired is not None:
+                # |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4
+                first, second, dots = paired
+                self.stats = Measurement((first + second) / 2, (first + second + 2 * dots) / 4,
+                                         2, pair=True)
+
+    def synchronize(self):
+        """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages."""
+        handles, self._handles = self._handles, {}
+        for p, (handle, compressed, ctx) in handles.items():
+            try:
+                output = hvd.synchronize(handle)
+            except HorovodInternalError as e:
+                # The same type, so that hvd.elastic.run still recovers from a lost peer.
+                raise HorovodInternalError(
+                    f"{e} [hvd_adapt: while averaging gradient {self._names[p]} at the end of "
+                    "backward. If no replica failed, replicas ran different numbers of backward "
+                    "passes: every replica must run backward for every batch]") from e
+            if output is not p.grad:
+                p.grad.copy_(self._compression.decompress(output, ctx))
+
+    def _pre(self, p):
+        pre = self._precondition(p)
+        return p.grad if pre is None else p.grad * pre
+
+    def grads_by_group(self, preconditioned=True):
+        """Each group's gradients (preconditioned where the optimizer has a preconditioner)."""
+        return [[self._pre(p) if preconditioned else p.grad for p in group if p.grad is not None]
+                for group in self._groups]
