@@ -308,3 +308,15 @@ def test_values_of_registered_handlers_load_back_from_a_checkpoint(tmp_path):
     fresh = State(counter=Counter(0))
     assert fresh.load_checkpoint(str(tmp_path / "c.pt"))
     assert fresh.counter.count == 7
+
+
+def test_plain_values_are_snapshotted_so_in_place_changes_do_not_survive_a_restore():
+    state = State(history=[1, 2], best={"acc": 0.5})
+    state.commit()
+    state.history.append(3)
+    state.best["acc"] = 0.9
+    state.restore()
+    assert state.history == [1, 2] and state.best == {"acc": 0.5}
+    state.history.append(4)          # a change after the restore is not the snapshot's
+    state.restore()
+    assert state.history == [1, 2]

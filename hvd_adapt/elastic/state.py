@@ -22,7 +22,7 @@ from .._runtime.threads import share_cpu_threads
 from ..accumulator import Accumulator, flush
 from . import checkpoint
 from .epoch import EpochCounter
-from .handlers import handler_for
+from .handlers import handler_for, snapshot
 from .participant import Participant
 
 _RESERVED = ("epochs", "epoch")
@@ -67,6 +67,7 @@ class State(TorchState):
                 del kwargs[name]
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
+        self._saved_state = {name: snapshot(value) for name, value in self._saved_state.items()}
         # Horovod's own object broadcast costs a background-thread round trip
         # even in a world of one; ours returns at once there.
         self._bcast_object = collective.broadcast_object
@@ -152,6 +153,21 @@ class State(TorchState):
         if received:
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
+    def save(self):
+        """Snapshot every value: handlers' into their buffers, plain values as copies (Horovod
+        keeps plain values by reference, so an in-place change survived a restore)."""
+        super().save()
+        self._saved_state = {name: snapshot(value) for name, value in self._saved_state.items()}
+
+    def restore(self):
+        """Return every value to the last commit; plain values get copies of the snapshot."""
+        super().restore()
+        self._detach_plain_values()
+
+    def _detach_plain_values(self):
+        for name, value in self._saved_state.items():
+            setattr(self, name, snapshot(value))
+
     def sync(self):
         """Collective: every value becomes rank 0's (parameters bitwise, optimizer state without
         a step), then every loader decides its batch size again."""
@@ -159,6 +175,7 @@ class State(TorchState):
         # wait for it without spinning, so they do not slow that start-up down.
         collective.barrier()
         super().sync()
+        self._detach_plain_values()
         self._resync_pending = False
 
     def _after_reset(self):

@@ -6,6 +6,7 @@ rate is scaled between, it asks the controller of the loader it trains on;
 the averaging itself happens in ``exchange.py``'s hooks.
 """
 import contextlib
+import logging
 
 import horovod.torch as hvd
 import torch
@@ -17,14 +18,17 @@ from .exchange import Cycle, GradientExchange
 from .noise import PAIR_EVERY, GradientNoiseScale
 from .scaling_rules import ScalingRule, default_rule
 
+log = logging.getLogger(__name__)
+
 
 class DistributedOptimizer(torch.optim.Optimizer, Participant):
     """Wrap ``optimizer``: average gradients over replicas, accumulate, scale the lr.
 
     The loop is a plain PyTorch loop; call ``zero_grad()``, ``backward()``
     and ``step()`` for every batch. Gradients are averaged over replicas by
-    Horovod allreduces started from per-parameter hooks as backward produces
-    them, on the last micro-step of an accumulation cycle only (earlier
+    grouped Horovod allreduces of buckets of up to ``bucket_cap_mb``, each
+    started from gradient hooks once backward has produced the whole
+    bucket, on the last micro-step of an accumulation cycle only (earlier
     micro-steps accumulate into ``.grad``, and ``zero_grad()`` and ``step()``
     leave them alone), and they are averaged when ``backward()`` returns, so
     clipping and mixed precision work as in one process::
@@ -58,7 +62,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     sync_after_every_reset = False
 
     def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None,
-                 compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None):
+                 compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None,
+                 bucket_cap_mb=25):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if callable(getattr(optimizer, "synchronize", None)) \
@@ -74,6 +79,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         op = hvd.Average if op is None else op
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got "
                              f"{gradient_predivide_factor!r}")
@@ -90,9 +97,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self._single_steps = 0      # optimizer steps taken alone (for the pair's phase)
         self._pair_scale = None     # the loss scale the kept first step was measured at
         self._skip_sync = False
+        self._synced = False        # replicas were made alike (State.sync) before training
         self._op = op
         self._compression = compression or hvd.Compression.none
         self._predivide = gradient_predivide_factor
+        self._bucket_cap_mb = bucket_cap_mb
         self._exchange = None
         self._hook_params()
 
@@ -103,7 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                           for p in group["params"]}
         self._exchange = GradientExchange(self.optimizer.param_groups, self._plan_cycle,
                                           self._preconditioner, self._compression, self._op,
-                                          self._predivide)
+                                          self._predivide, self._bucket_cap_mb)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
     @property
@@ -217,6 +226,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             return None
         if not self._skip_sync:
             self._exchange.synchronize()
+        if not self._synced and env.size() > 1:
+            self._sync_forgotten()
         finished = self._exchange.take_finished()
         if finished is not None:
             cycle, micro, stats, sync_seconds = finished
@@ -273,6 +284,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             self.gns.progress += 1.0
         return result
 
+    def _sync_forgotten(self):
+        # Every replica takes its first step here at the same point, so this
+        # collective is safe; without it replicas started from different
+        # random weights would train apart without a word.
+        if env.rank() == 0:
+            log.warning("the first optimizer step of %d replicas came before any sync: "
+                        "parameters and optimizer state are broadcast from rank 0 now. Wrap the "
+                        "training function in @hvd_adapt.run (or call state.sync()) so that the "
+                        "model's buffers and every other value are synced too", env.size())
+        params = [p for group in self.param_groups for p in group["params"]]
+        handles = [hvd.broadcast_async_(p.data, root_rank=0, name=f"hvd_adapt.unsynced.{i}")
+                   for i, p in enumerate(params)]
+        for handle in handles:
+            hvd.synchronize(handle)
+        self.sync_from_root()
+
     # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
         """Collective: adopt rank 0's optimizer state and noise scale; drop accumulated gradients."""
@@ -280,6 +307,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.gns.load_state_dict(collective.broadcast_object(self.gns.state_dict(),
                                                              name="hvd_adapt.sync.gns"))
         self.discard_accumulation()
+        self._synced = True
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "gns": self.gns.state_dict()}

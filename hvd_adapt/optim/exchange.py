@@ -1,8 +1,11 @@
 """Gradient averaging from per-parameter hooks, overlapped with the backward pass.
 
-As in ``hvd.DistributedOptimizer``, each parameter's allreduce starts as soon
-as its gradient is accumulated (Horovod's tensor fusion batches them), but
-only on the last micro-step of an accumulation cycle: earlier micro-steps
+Parameters are grouped into buckets, as DDP groups them: in reverse order of
+registration (roughly the order backward produces their gradients), up to
+``bucket_cap_mb`` each, one dtype and device per bucket. A bucket's grouped
+Horovod allreduce starts as soon as all its gradients are accumulated, so
+communication overlaps the rest of backward, but only on the last micro-step
+of an accumulation cycle: earlier micro-steps
 accumulate into ``.grad`` with no communication and no extra copy. Unlike
 Horovod's, the averaged gradients are waited for at the end of that
 backward pass (as DDP does), so when ``loss.backward()`` returns every rank
@@ -59,11 +62,14 @@ class GradientExchange:
     """
 
     def __init__(self, param_groups, plan, precondition, compression, op,
-                 gradient_predivide_factor):
+                 gradient_predivide_factor, bucket_cap_mb=25):
         self._groups = [[p for p in group["params"] if p.requires_grad] for group in param_groups]
-        self._names = {}
-        for index, p in enumerate(p for group in self._groups for p in group):
-            self._names[p] = f"hvd_adapt.grad.{index}"
+        # One grouped allreduce per bucket: on small models per-tensor
+        # operations cost more than they overlap (benchmarks/RESULTS.md).
+        self._buckets = _buckets([p for group in self._groups for p in group],
+                                 bucket_cap_mb * 2 ** 20)
+        self._bucket_of = {p: index for index, bucket in enumerate(self._buckets) for p in bucket}
+        self._ready = [0] * len(self._buckets)
         self._plan = plan
         self._precondition = precondition
         self._compression = compression
@@ -99,6 +105,7 @@ class GradientExchange:
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
         self._handles = {}
+        self._ready = [0] * len(self._buckets)
         self._pair.forget()
         self.take_finished()
 
@@ -134,9 +141,12 @@ class GradientExchange:
         if self._cycle is None:
             self._start_backward()
         if self._cycle.last and self._cycle.replicas > 1:
-            self._start_allreduce(p)
+            index = self._bucket_of[p]
+            self._ready[index] += 1
+            if self._ready[index] == len(self._buckets[index]):
+                self._start_allreduce(index)
 
-    def _start_allreduce(self, p):
+    def _start_allreduce(self, index):
         micro = self._micro_steps + 1
         prescale = 1.0 / micro
         postscale = 1.0
@@ -144,10 +154,12 @@ class GradientExchange:
             # As Horovod splits the average: the backend divides by size() after this.
             prescale /= self._predivide
             postscale = self._predivide
-        compressed, ctx = self._compression.compress(p.grad)
-        handle = hvd.allreduce_async_(compressed, name=self._names[p], op=self._op,
-                                      prescale_factor=prescale, postscale_factor=postscale)
-        self._handles[p] = (handle, compressed, ctx)
+        bucket = self._buckets[index]
+        compressed = [self._compression.compress(p.grad) for p in bucket]
+        handle = hvd.grouped_allreduce_async_(
+            [tensor for tensor, _ in compressed], name=f"hvd_adapt.grad.{index}", op=self._op,
+            prescale_factor=prescale, postscale_factor=postscale)
+        self._handles[index] = (handle, compressed)
 
     def _end_backward(self):
         cycle, self._cycle = self._cycle, None
@@ -158,13 +170,15 @@ class GradientExchange:
         self._micro_steps = 0
         params = [p for group in self._groups for p in group]
         if cycle.replicas > 1:
-            for p in params:
-                if p not in self._handles:
+            for index, bucket in enumerate(self._buckets):
+                if index not in self._handles:
                     # Every replica must pass the same tensors: one that got no
                     # gradient this cycle sends zeros.
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    self._start_allreduce(p)
+                    for p in bucket:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                    self._start_allreduce(index)
+            self._ready = [0] * len(self._buckets)
         elif micro > 1:
             for p in params:
                 if p.grad is not None:
@@ -200,17 +214,18 @@ class GradientExchange:
     def synchronize(self):
         """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages."""
         handles, self._handles = self._handles, {}
-        for p, (handle, compressed, ctx) in handles.items():
+        for index, (handle, compressed) in handles.items():
             try:
-                output = hvd.synchronize(handle)
+                outputs = hvd.synchronize(handle)
             except HorovodInternalError as e:
                 # The same type, so that hvd.elastic.run still recovers from a lost peer.
                 raise HorovodInternalError(
-                    f"{e} [hvd_adapt: while averaging gradient {self._names[p]} at the end of "
-                    "backward. If no replica failed, replicas ran different numbers of backward "
-                    "passes: every replica must run backward for every batch]") from e
-            if output is not p.grad:
-                p.grad.copy_(self._compression.decompress(output, ctx))
+                    f"{e} [hvd_adapt: while averaging gradients hvd_adapt.grad.{index} at the "
+                    "end of backward. If no replica failed, replicas ran different numbers of "
+                    "backward passes: every replica must run backward for every batch]") from e
+            for p, output, (_, ctx) in zip(self._buckets[index], outputs, compressed):
+                if output is not p.grad:
+                    p.grad.copy_(self._compression.decompress(output, ctx))
 
     def _pre(self, p):
         pre = self._precondition(p)
@@ -220,3 +235,20 @@ class GradientExchange:
         """Each group's gradients (preconditioned where the optimizer has a preconditioner)."""
         return [[self._pre(p) if preconditioned else p.grad for p in group if p.grad is not None]
                 for group in self._groups]
+
+
+def _buckets(params, cap_bytes):
+    """Parameters in reverse order, cut into runs of at most ``cap_bytes`` of one dtype and
+    device (a parameter larger than the cap is a bucket alone)."""
+    buckets, size = [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or size + nbytes > cap_bytes or last[0].dtype != p.dtype \
+                or last[0].device != p.device:
+            buckets.append([p])
+            size = nbytes
+        else:
+            last.append(p)
+            size += nbytes
+    return buckets

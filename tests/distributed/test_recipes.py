@@ -46,5 +46,5 @@ def test_a_rank_skipping_backward_fails_fast_with_an_error_naming_the_cause():
     job = run_ranks("recipes_train.py", np=2, args=["--steps", 4, "--skip-backward-at", 1],
                     timeout=120, env=env)
     assert job.returncode not in (0, "timeout"), job.output[-3000:]
-    assert "while averaging gradient hvd_adapt.grad." in job.output, job.output[-3000:]
+    assert "while averaging gradients hvd_adapt.grad." in job.output, job.output[-3000:]
     assert "different numbers of backward passes" in job.output

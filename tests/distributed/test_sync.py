@@ -27,3 +27,10 @@ def test_sync_copies_rank0_and_changes_nothing(optimizer, root_trained, wrapped)
     assert reports[1]["opt_count"] == root["opt_count"]
     if root_trained == 0:
         assert root["opt_count"] == 0  # no step was taken to create state
+
+
+def test_a_script_that_forgets_to_sync_is_synced_at_its_first_step_with_a_warning():
+    job = run_ranks("no_sync.py", np=2).check()
+    assert job.reports[0]["params"] == job.reports[1]["params"]
+    assert "first optimizer step of 2 replicas came before any sync" in job.output
+    assert "@hvd_adapt.run" in job.output
