@@ -192,7 +192,14 @@ class AdaptiveDataLoader(Participant):
                 self.sampler.finish_pass()
                 return
             last = None
+            # On CUDA the host runs ahead of the device: a step's time means the
+            # same as on the CPU only once the device has finished it. One
+            # synchronize per step, and only while the profile is used.
+            device_sync = controller.autoscaling and torch.cuda.is_available() \
+                and torch.cuda.is_initialized()
             for i, batch in enumerate(self._torch_loader([idx for idx, _ in plan])):
+                if device_sync:
+                    torch.cuda.synchronize()
                 now = time.perf_counter()
                 if last is not None and i > 1:
                     # The first step of a plan pays for warm-up; leave it out.

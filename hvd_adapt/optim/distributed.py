@@ -3,7 +3,9 @@ before averaging, and the learning rate scaled for the batch size in use.
 
 Which batches end an accumulation cycle, and which batch sizes the learning
 rate is scaled between, it asks the controller of the loader it trains on;
-the averaging itself happens in ``exchange.py``'s hooks.
+the averaging itself happens in ``exchange.py``'s hooks. (Just over 300
+lines: the class speaks both torch's Optimizer protocol and Horovod's
+optimizer API, and splitting one class would scatter its step.)
 """
 import contextlib
 import logging
@@ -15,7 +17,7 @@ from .._runtime import collective, env
 from ..autoscale.controller import Controller
 from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
-from .noise import PAIR_EVERY, GradientNoiseScale
+from .noise import PAIR_EVERY, GradientNoiseScale, adam_preconditioner
 from .scaling_rules import ScalingRule, default_rule
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     The loop is a plain PyTorch loop; call ``zero_grad()``, ``backward()``
     and ``step()`` for every batch. Gradients are averaged over replicas by
-    grouped Horovod allreduces of buckets of up to ``bucket_cap_mb``, each
-    started from gradient hooks once backward has produced the whole
-    bucket, on the last micro-step of an accumulation cycle only (earlier
+    grouped Horovod allreduces of buckets of up to ``bucket_cap_mb`` (None:
+    25 MB on GPUs, one bucket on the CPU, see ``exchange.py``), each started
+    from gradient hooks once backward has produced the whole bucket, on the
+    last micro-step of an accumulation cycle only (earlier
     micro-steps accumulate into ``.grad``, and ``zero_grad()`` and ``step()``
     leave them alone), and they are averaged when ``backward()`` returns, so
     clipping and mixed precision work as in one process::
@@ -63,7 +66,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None,
                  compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None,
-                 bucket_cap_mb=25):
+                 bucket_cap_mb=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if callable(getattr(optimizer, "synchronize", None)) \
@@ -79,8 +82,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         op = hvd.Average if op is None else op
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 or None, got {bucket_cap_mb!r}")
         if not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got "
                              f"{gradient_predivide_factor!r}")
@@ -190,16 +193,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return Cycle(last, measure, replicas, pair)
 
     def _preconditioner(self, p):
-        """Adam's 1 / (sqrt(v_hat) + eps) for ``p``, so that the noise is measured in the space
-        the update is taken in (AdaptDL's AdamGradientNoiseScale); None for other optimizers
-        and before Adam's first step."""
         state = self.optimizer.state.get(p)
-        if not state or "exp_avg_sq" not in state:
-            return None
-        group = self._group_of[p]
-        step = float(state["step"])
-        correction = 1 - group["betas"][1] ** step
-        return 1.0 / (state["exp_avg_sq"].div(correction).sqrt_().add_(group["eps"]))
+        return adam_preconditioner(state, self._group_of[p]) if state else None
 
     # -- Horovod's names -----------------------------------------------------------------
     def synchronize(self):

@@ -5,8 +5,12 @@ registration (roughly the order backward produces their gradients), up to
 ``bucket_cap_mb`` each, one dtype and device per bucket. A bucket's grouped
 Horovod allreduce starts as soon as all its gradients are accumulated, so
 communication overlaps the rest of backward, but only on the last micro-step
-of an accumulation cycle: earlier micro-steps
-accumulate into ``.grad`` with no communication and no extra copy. Unlike
+of an accumulation cycle. By default buckets are 25 MB for GPU parameters
+and unbounded for CPU ones: on the CPU, Gloo's reductions run on the cores
+backward needs, so overlapping costs more than it saves (see
+``benchmarks/RESULTS.md``), and one grouped allreduce at the end is fastest.
+Earlier micro-steps accumulate into ``.grad`` with no communication and no
+extra copy. Unlike
 Horovod's, the averaged gradients are waited for at the end of that
 backward pass (as DDP does), so when ``loss.backward()`` returns every rank
 holds the same gradients: clipping, ``GradScaler.unscale_`` and its skip
@@ -62,14 +66,13 @@ class GradientExchange:
     """
 
     def __init__(self, param_groups, plan, precondition, compression, op,
-                 gradient_predivide_factor, bucket_cap_mb=25):
+                 gradient_predivide_factor, bucket_cap_mb=None):
         self._groups = [[p for p in group["params"] if p.requires_grad] for group in param_groups]
         # One grouped allreduce per bucket: on small models per-tensor
         # operations cost more than they overlap (benchmarks/RESULTS.md).
-        self._buckets = _buckets([p for group in self._groups for p in group],
-                                 bucket_cap_mb * 2 ** 20)
-        self._bucket_of = {p: index for index, bucket in enumerate(self._buckets) for p in bucket}
-        self._ready = [0] * len(self._buckets)
+        # Made at the first backward, when the parameters are on their device.
+        self._bucket_cap_mb = bucket_cap_mb
+        self._buckets = self._bucket_of = self._ready = None
         self._plan = plan
         self._precondition = precondition
         self._compression = compression
@@ -105,7 +108,8 @@ class GradientExchange:
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
         self._handles = {}
-        self._ready = [0] * len(self._buckets)
+        if self._buckets is not None:
+            self._ready = [0] * len(self._buckets)
         self._pair.forget()
         self.take_finished()
 
@@ -119,7 +123,18 @@ class GradientExchange:
         return taken
 
     # -- hooks -------------------------------------------------------------------------
+    def _make_buckets(self):
+        params = [p for group in self._groups for p in group]
+        cap = self._bucket_cap_mb
+        if cap is None:
+            cap = 25 if any(p.is_cuda for p in params) else float("inf")
+        self._buckets = _buckets(params, cap * 2 ** 20)
+        self._bucket_of = {p: index for index, bucket in enumerate(self._buckets) for p in bucket}
+        self._ready = [0] * len(self._buckets)
+
     def _start_backward(self):
+        if self._buckets is None:
+            self._make_buckets()
         self._cycle = self._plan()
         # Runs once the whole backward pass is done, on the thread that ran it.
         Variable._execution_engine.queue_callback(self._end_backward)

@@ -163,6 +163,17 @@ def stats_dtype(params):
     return torch.float64
 
 
+def adam_preconditioner(state, group):
+    """Adam's 1 / (sqrt(v_hat) + eps) from a parameter's optimizer ``state`` and its ``group``,
+    so that the noise is measured in the space the update is taken in (AdaptDL's
+    AdamGradientNoiseScale); None for optimizers without a second moment and before the
+    first step."""
+    if "exp_avg_sq" not in state:
+        return None
+    correction = 1 - group["betas"][1] ** float(state["step"])
+    return 1.0 / state["exp_avg_sq"].div(correction).sqrt_().add_(group["eps"])
+
+
 # With one replica and no accumulation, the noise is measured on one pair of
 # consecutive steps in this many. On small models the measurement's cost is
 # per-call overhead that also slows the next forward and backward (caches), up

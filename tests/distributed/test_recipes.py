@@ -8,12 +8,26 @@ from launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-def test_clipping_sees_the_averaged_gradients():
-    job = run_ranks("recipes_train.py", np=2, args=["--steps", 4]).check()
+@pytest.mark.parametrize("buckets", [[], ["--bucket-cap-mb", 0.002]], ids=["one-bucket", "buckets"])
+def test_clipping_sees_the_averaged_gradients(buckets):
+    # On the CPU all gradients go in one bucket by default; tiny buckets (one
+    # per parameter here) take the path GPUs take, allreduces started mid-backward.
+    job = run_ranks("recipes_train.py", np=2, args=["--steps", 4] + buckets).check()
     first, second = job.reports[0]["steps"], job.reports[1]["steps"]
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
     assert [s["params"] for s in first] == [s["params"] for s in second]
     assert all(s["stepped"] for s in first + second)
+
+
+def test_fp16_compression_passes_through_and_keeps_replicas_alike():
+    job = run_ranks("recipes_train.py", np=2, args=["--steps", 4, "--fp16-compression"]).check()
+    first, second = job.reports[0]["steps"], job.reports[1]["steps"]
+    assert [s["grads"] for s in first] == [s["grads"] for s in second]
+    assert [s["params"] for s in first] == [s["params"] for s in second]
+    assert all(s["grad_dtypes"] == ["torch.float32"] for s in first)
+    # The gradients went through fp16: they differ from an uncompressed run's.
+    plain = run_ranks("recipes_train.py", np=2, args=["--steps", 1]).check()
+    assert plain.reports[0]["steps"][0]["grads"] != first[0]["grads"]
 
 
 def test_gradscaler_skips_an_overflow_on_one_rank_on_every_rank():

@@ -12,6 +12,7 @@ as clipping saw them, and whether the step was taken.
 import argparse
 import hashlib
 
+import horovod.torch as hvd
 import torch
 
 import hvd_adapt
@@ -31,6 +32,8 @@ parser.add_argument("--inf-at", type=int, default=-1)
 parser.add_argument("--skip-at", type=int, default=-1)
 parser.add_argument("--skip-backward-at", type=int, default=-1)
 parser.add_argument("--amp", action="store_true")
+parser.add_argument("--fp16-compression", action="store_true")
+parser.add_argument("--bucket-cap-mb", type=float, default=None)
 args = parser.parse_args()
 
 hvd_adapt.init()
@@ -38,8 +41,10 @@ rank = hvd_adapt.env.rank()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if args.amp else None
+compression = hvd.Compression.fp16 if args.fp16_compression else None
 opt = hvd_adapt.DistributedOptimizer(
-    torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), grad_scaler=scaler)
+    torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), grad_scaler=scaler,
+    compression=compression, bucket_cap_mb=args.bucket_cap_mb)
 data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
 loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=16, shuffle=True)
 state = hvd_adapt.State(model=model, optimizer=opt, loader=loader)
@@ -65,6 +70,7 @@ def train(state):
         else:
             loss.backward()
         grads = digest(p.grad for p in model.parameters())
+        grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         before = opt.gns.progress
         if scaler is not None:
@@ -73,7 +79,8 @@ def train(state):
             scaler.update()
         elif not (step == args.skip_at and rank == 1):
             opt.step()
-        steps.append({"grads": grads, "params": digest(model.parameters()),
+        steps.append({"grads": grads, "grad_dtypes": grad_dtypes,
+                      "params": digest(model.parameters()),
                       "stepped": opt.gns.progress > before,
                       "scale": scaler.get_scale() if scaler is not None else None})
 
