@@ -163,7 +163,8 @@ nccl_home() {
 }
 if [ "$HVD_OK" != "1" ]; then
     # CPU builds keep the key they always had, so existing caches stay valid.
-    KEY="py$PYVER-torch$TORCH_VERSION-horovod$HOROVOD_VERSION$([ "$GPU" = 1 ] && echo "-$BUILD_FLAVOUR")"
+    KEY="py$PYVER-torch$TORCH_VERSION-horovod$HOROVOD_VERSION"
+    [ "$GPU" = 1 ] && KEY="$KEY-$BUILD_FLAVOUR"
     WHEEL_DIR="$CACHE/$KEY"
     WHEEL=$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n1 || true)
     if [ -z "$WHEEL" ]; then
