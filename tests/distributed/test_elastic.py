@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from launch import WORKERS, run_job
-from training_logs import SAMPLES, check_exactly_once, read_logs
+from training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_logs
 
 FAST_HOROVODRUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hvdrun_fast_discovery.py")
 
@@ -75,6 +75,7 @@ def test_resize_2_3_1_2_exactly_once(autoscale):
     job.check()
     assert sizes_in_order(commits) == [2, 3, 1, 2], sizes_in_order(commits)
     check_exactly_once(commits, epochs, 3)
+    check_identical_replicas(commits)
     for entry in commits:
         share = min(entry["threads_before"], max(1, entry["cpus"] // entry["size"]))
         assert entry["threads"] == (share if autoscale else 1), entry
@@ -95,3 +96,4 @@ def test_worker_sigkill_exactly_once():
     job.check()
     assert sizes_in_order(commits) == [3, 2]
     check_exactly_once(commits, epochs, 3)
+    check_identical_replicas(commits)

@@ -2,7 +2,7 @@
 import pytest
 
 from launch import run_ranks
-from training_logs import SAMPLES, check_exactly_once, read_logs
+from training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_logs
 
 pytestmark = pytest.mark.distributed
 
@@ -15,3 +15,4 @@ def test_epochs_cover_the_dataset_once(launcher, np):
     assert {entry["size"] for entry in commits} == {np}
     assert {entry["rank"] for entry in commits} == set(range(np))
     check_exactly_once(commits, epochs, 2)
+    check_identical_replicas(commits)

@@ -36,3 +36,13 @@ def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES):
     assert sorted(totals) == list(range(num_epochs))
     for epoch, values in totals.items():
         assert values == {(samples, samples * (samples - 1) // 2)}, (epoch, values)
+
+
+def check_identical_replicas(commits):
+    """After every optimizer step, every rank of the world held the same parameters."""
+    by_step = collections.defaultdict(set)
+    for entry in commits:
+        if entry["optim"]:
+            by_step[(entry["step"], entry["size"])].add(entry["params"])
+    differing = {key: len(hashes) for key, hashes in by_step.items() if len(hashes) > 1}
+    assert by_step and not differing, f"replicas differ at (step, size): {differing}"

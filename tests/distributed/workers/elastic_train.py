@@ -7,6 +7,7 @@ and drops them on restore), and rank 0 appends each epoch's accumulator totals
 to epochs.jsonl.
 """
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -53,6 +54,13 @@ class CommitLogHandler(StateHandler):
         pass
 
 
+def params_digest(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def write_progress(step):
     path = out_path("progress")
     with open(path + ".tmp", "w") as f:
@@ -78,7 +86,10 @@ def main():
     # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
     device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
     model = torch.nn.Linear(4, 1).to(device)
-    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    # Weight decay and momentum: a sync that stepped the optimizer (as Horovod's
+    # broadcast_optimizer_state does) would show as replicas that differ.
+    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
+                                                         momentum=0.9, weight_decay=0.01))
     loader = hvd_adapt.AdaptiveDataLoader(IndexDataset(args.samples), batch_size=args.batch_size,
                                           shuffle=True, seed=3)
     if args.autoscale:
@@ -105,6 +116,7 @@ def main():
                 stats["idsum"] += int(real.sum())
                 log.pending.append({"epoch": epoch, "indices": real.tolist(), "rank": hvd.rank(),
                                     "size": hvd.size(), "step": state.step,
+                                    "params": params_digest(model),
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
                                     "optim": loader.is_optim_step(), "time": time.time(),
