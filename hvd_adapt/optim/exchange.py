@@ -81,6 +81,7 @@ class GradientExchange:
         self._cycle = None        # the plan of the backward pass under way
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
+        self._averaged_sqr = None  # the same, averaged over micro-steps and replicas
         self._handles = {}
         self._pair = GradientPair()
         self.stats = None
@@ -158,11 +159,14 @@ class GradientExchange:
         if self._cycle.last and self._cycle.replicas > 1:
             index = self._bucket_of[p]
             self._ready[index] += 1
-            if self._ready[index] == len(self._buckets[index]):
-                self._start_allreduce(index)
+            # When measuring, the last bucket waits for the end of backward and
+            # carries the local norms: one Horovod operation fewer a step.
+            deferred = self._cycle.measure and index == len(self._buckets) - 1
+            if self._ready[index] == len(self._buckets[index]) and not deferred:
+                self._start_allreduce(index, self._micro_steps + 1)
 
-    def _start_allreduce(self, index):
-        micro = self._micro_steps + 1
+    def _start_allreduce(self, index, micro, extra=None):
+        """Average bucket ``index`` over ``micro`` micro-steps and the replicas."""
         prescale = 1.0 / micro
         postscale = 1.0
         if self._op == hvd.Average:
@@ -171,10 +175,11 @@ class GradientExchange:
             postscale = self._predivide
         bucket = self._buckets[index]
         compressed = [self._compression.compress(p.grad) for p in bucket]
+        tensors = [tensor for tensor, _ in compressed] + ([] if extra is None else [extra])
         handle = hvd.grouped_allreduce_async_(
-            [tensor for tensor, _ in compressed], name=f"hvd_adapt.grad.{index}", op=self._op,
+            tensors, name=f"hvd_adapt.grad.{index}", op=self._op,
             prescale_factor=prescale, postscale_factor=postscale)
-        self._handles[index] = (handle, compressed)
+        self._handles[index] = (handle, compressed, extra is not None)
 
     def _end_backward(self):
         cycle, self._cycle = self._cycle, None
@@ -184,7 +189,14 @@ class GradientExchange:
         micro = self._micro_steps + 1
         self._micro_steps = 0
         params = [p for group in self._groups for p in group]
+        local, micro_sqr, self._micro_sqr, self._averaged_sqr = None, self._micro_sqr, None, None
+        extra = None
         if cycle.replicas > 1:
+            last = len(self._buckets) - 1
+            # Summed norms ride with the last bucket (its prescale averages them
+            # over micro-steps, its op over replicas) where the dtypes match.
+            if micro_sqr is not None and stats_dtype(params) == self._buckets[last][0].dtype:
+                extra = micro_sqr.to(self._buckets[last][0].dtype)
             for index, bucket in enumerate(self._buckets):
                 if index not in self._handles:
                     # Every replica must pass the same tensors: one that got no
@@ -192,25 +204,24 @@ class GradientExchange:
                     for p in bucket:
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
-                    self._start_allreduce(index)
+                    self._start_allreduce(index, micro, extra if index == last else None)
             self._ready = [0] * len(self._buckets)
+            if micro_sqr is not None and extra is None:
+                self._handles["stats"] = (hvd.allreduce_async_(
+                    micro_sqr / micro, name="hvd_adapt.grad_stats", op=hvd.Average), [], True)
         elif micro > 1:
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(micro)
-        local, local_handle = None, None
-        if cycle.measure and self._micro_sqr is not None:
-            local = self._micro_sqr / micro
-            if cycle.replicas > 1:
-                local = local.to(stats_dtype(params))
-                local_handle = hvd.allreduce_async_(local, name="hvd_adapt.grad_stats",
-                                                    op=hvd.Average)
-        self._micro_sqr = None
+        if micro_sqr is not None and cycle.replicas == 1:
+            local = micro_sqr / micro
         started = time.perf_counter()
         self.synchronize()
-        if local_handle is not None:
-            local = hvd.synchronize(local_handle).double()
         self.sync_seconds = time.perf_counter() - started
+        if self._averaged_sqr is not None:
+            local = self._averaged_sqr
+            if extra is not None and self._op == hvd.Sum:
+                local = local / cycle.replicas
         self.finished = (cycle, micro)
         self.stats = None
         if local is not None:
@@ -229,7 +240,7 @@ class GradientExchange:
     def synchronize(self):
         """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages."""
         handles, self._handles = self._handles, {}
-        for index, (handle, compressed) in handles.items():
+        for index, (handle, compressed, carries_norms) in handles.items():
             try:
                 outputs = hvd.synchronize(handle)
             except HorovodInternalError as e:
@@ -238,6 +249,13 @@ class GradientExchange:
                     f"{e} [hvd_adapt: while averaging gradients hvd_adapt.grad.{index} at the "
                     "end of backward. If no replica failed, replicas ran different numbers of "
                     "backward passes: every replica must run backward for every batch]") from e
+            if carries_norms:
+                if isinstance(outputs, torch.Tensor):
+                    outputs = [outputs]
+                self._averaged_sqr = outputs[-1].double()
+                outputs = outputs[:-1]
+            if index == "stats":
+                continue
             for p, output, (_, ctx) in zip(self._buckets[index], outputs, compressed):
                 if output is not p.grad:
                     p.grad.copy_(self._compression.decompress(output, ctx))

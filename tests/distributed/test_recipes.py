@@ -62,3 +62,16 @@ def test_a_rank_skipping_backward_fails_fast_with_an_error_naming_the_cause():
     assert job.returncode not in (0, "timeout"), job.output[-3000:]
     assert "while averaging gradients hvd_adapt.grad." in job.output, job.output[-3000:]
     assert "different numbers of backward passes" in job.output
+
+
+@pytest.mark.parametrize("measure", [[], ["--measure-noise"]], ids=["plain", "measuring"])
+def test_accumulation_at_two_replicas_equals_one_large_batch(measure):
+    # Averaged over micro-steps and replicas alike whether a bucket starts in a
+    # hook or at the end of backward (an unused parameter holds it back).
+    big = run_ranks("accumulate.py", np=2, args=measure).check().reports
+    small = run_ranks("accumulate.py", np=2, args=["--micro", 4] + measure).check().reports
+    assert small[0]["accum"] == 3 and big[0]["accum"] == 0
+    for rank in (0, 1):
+        assert small[rank]["weights"] == pytest.approx(big[rank]["weights"], abs=1e-5)
+        assert small[rank]["bias"] == pytest.approx(big[rank]["bias"], abs=1e-5)
+        assert small[rank]["unused"] == big[rank]["unused"] == [1.0, 1.0, 1.0]
