@@ -10,6 +10,7 @@ import time
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.functions import broadcast_parameters
 
 
 def allreduce(value, name=None):
@@ -93,47 +94,41 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     if hvd.size() == 1:
         return
     root = hvd.rank() == root_rank
-    tensors = []
+    # Every rank walks the same structure in the same order, so slot i is tensor i everywhere.
+    slots = []
 
-    def strip(value):
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.detach())
-            return _TensorSlot(tuple(value.shape), value.dtype, value.device.type)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
+    def to_slot(tensor):
+        slots.append(tensor.detach())
+        return _TensorSlot(tuple(tensor.shape), tensor.dtype, tensor.device.type)
 
-    skeleton = broadcast_object(strip(optimizer.state_dict()) if root else None,
+    skeleton = broadcast_object(_map_leaves(optimizer.state_dict(), torch.Tensor, to_slot)
+                                if root else None,
                                 root_rank=root_rank, name="hvd_adapt.optimizer_skeleton")
-    if root:
-        slots = tensors
-    else:
+    if not root:
         device = next((p.device for group in optimizer.param_groups for p in group["params"]),
                       torch.device("cpu"))
-        slots = []
 
-        def fill(value):
-            if isinstance(value, _TensorSlot):
-                on = device if value.device != "cpu" else torch.device("cpu")
-                slots.append(torch.empty(value.shape, dtype=value.dtype, device=on))
-                return slots[-1]
-            if isinstance(value, dict):
-                return {k: fill(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(fill(v) for v in value)
-            return value
+        def from_slot(slot):
+            on = device if slot.device != "cpu" else torch.device("cpu")
+            slots.append(torch.empty(slot.shape, dtype=slot.dtype, device=on))
+            return slots[-1]
 
-        received = fill(skeleton)
-    # Every rank walks the same structure in the same order, so slot i is tensor i everywhere.
-    handles = [hvd.broadcast_async_(t.view(-1) if t.dim() == 0 else t, root_rank=root_rank,
-                                    name=f"hvd_adapt.optimizer_state.{i}")
-               for i, t in enumerate(slots)]
-    for handle in handles:
-        hvd.synchronize(handle)
+        received = _map_leaves(skeleton, _TensorSlot, from_slot)
+    broadcast_parameters([(f"hvd_adapt.optimizer_state.{i}", t.view(-1) if t.dim() == 0 else t)
+                          for i, t in enumerate(slots)], root_rank=root_rank)
     if not root:
         optimizer.load_state_dict(received)
+
+
+def _map_leaves(value, leaf_type, fn):
+    """``value`` (nested dicts, lists, tuples) with every ``leaf_type`` leaf replaced by fn(leaf)."""
+    if isinstance(value, leaf_type):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf_type, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, leaf_type, fn) for v in value)
+    return value
 
 
 class _TensorSlot:

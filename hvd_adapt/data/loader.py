@@ -5,7 +5,6 @@ What a plan holds (local batch, accumulation steps) comes from the loader's
 steps it hands out and tells the controller, and re-plans the rest of the
 pass when the controller decides on another batch size.
 """
-import math
 import time
 
 import torch
@@ -235,8 +234,8 @@ class AdaptiveDataLoader(Participant):
         if self._handed_out is not None:
             return self._handed_out + rest
         if self._next_pass_epoch() != self.sampler.epoch:
-            rounding = math.floor if self.drop_last else math.ceil
-            return rounding(self.sampler.num_samples / (size * local))
+            return self.sampler.num_batches(local, size, self.drop_last,
+                                            samples=self.sampler.num_samples)
         return rest
 
     # -- elastic state ---------------------------------------------------------------

@@ -85,10 +85,12 @@ class ElasticSampler(torch.utils.data.Sampler, Participant):
         check_int("count", count, 0, self.remaining)
         self.position += count
 
-    def num_batches(self, local_bsz, num_replicas, drop_last=False):
-        """Batches each replica still gets this epoch at ``local_bsz``."""
+    def num_batches(self, local_bsz, num_replicas, drop_last=False, samples=None):
+        """Batches each replica gets at ``local_bsz`` from ``samples`` (default: what is left
+        of this epoch)."""
         rounding = math.floor if drop_last else math.ceil
-        return rounding(self.remaining / (num_replicas * local_bsz))
+        samples = self.remaining if samples is None else samples
+        return rounding(samples / (num_replicas * local_bsz))
 
     def batches(self, local_bsz, num_replicas, rank, drop_last=False):
         """Yield ``(indices, world_count)`` for this rank's batches in the rest of the epoch.

@@ -77,9 +77,10 @@ class State(TorchState):
             setattr(self, name, handler.value)
         self._handlers.update(ours)
         values = [h.value for h in ours.values()]
-        for value in values:
-            if isinstance(value, Participant):
-                value.join(values)
+        # Checked at every commit; participants are never replaced (they load in place).
+        self._participants = [v for v in values if isinstance(v, Participant)]
+        for value in self._participants:
+            value.join(values)
         self._accumulators = [v for v in values if isinstance(v, Accumulator)]
         self._resync_pending = False
         self._drain = None
@@ -94,13 +95,9 @@ class State(TorchState):
         """The current epoch of ``remaining_epochs_until``."""
         return self.epochs.epoch
 
-    def _participants(self):
-        return [handler.value for handler in self._handlers.values()
-                if isinstance(handler.value, Participant)]
-
     def at_optim_boundary(self):
         """False while any loader is between the steps of an accumulation cycle."""
-        return all(value.at_commit_point() for value in self._participants())
+        return all(value.at_commit_point() for value in self._participants)
 
     def set_drain(self, drain):
         """Check ``drain`` (a :class:`hvd_adapt.Drain`) at every commit."""
@@ -186,7 +183,7 @@ class State(TorchState):
         # through this callback.
         self._resync_pending = True
         share_cpu_threads(env.local_size(), env.local_rank())
-        for value in self._participants():
+        for value in self._participants:
             value.on_reset()
         if self._drain is not None:
             self._drain.discard_pending()

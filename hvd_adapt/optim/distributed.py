@@ -12,6 +12,7 @@ import logging
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.functions import broadcast_parameters
 
 from .._runtime import collective, env
 from ..autoscale.controller import Controller
@@ -175,17 +176,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     # -- what each backward pass does --------------------------------------------------
     def _measuring(self):
+        # Measurements are weighed against the loader's batch sizes: none without one.
         if self._controller is None:
-            return bool(self.measure_noise)
+            return False
         if self.measure_noise is None:
             return self._controller.autoscaling
-        return self.measure_noise
+        return bool(self.measure_noise)
 
     def _plan_cycle(self):
         controller = self._controller
         last = controller is None or controller.is_optim_step()
         replicas = env.size()
-        measure = self._measuring() and self._controller is not None
+        measure = self._measuring()
         pair = None
         if measure and replicas == 1 and last and not self._exchange.cycle_open:
             phase = self._single_steps % PAIR_EVERY
@@ -248,7 +250,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             return
         local, total = torch.stack([stats.local, stats.total]).cpu().numpy() / scale ** 2
         if self._op == hvd.Sum:
-            total = total / env.size() ** 2
+            total = total / cycle.replicas ** 2
         local_bsz, init = self._controller.local_bsz, self._controller.init_batch_size
         samples = PAIR_EVERY * local_bsz if stats.pair else None
         self.gns.update(local, total, local_bsz, stats.num_micro, init, samples=samples)
@@ -289,11 +291,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                         "parameters and optimizer state are broadcast from rank 0 now. Wrap the "
                         "training function in @hvd_adapt.run (or call state.sync()) so that the "
                         "model's buffers and every other value are synced too", env.size())
-        params = [p for group in self.param_groups for p in group["params"]]
-        handles = [hvd.broadcast_async_(p.data, root_rank=0, name=f"hvd_adapt.unsynced.{i}")
-                   for i, p in enumerate(params)]
-        for handle in handles:
-            hvd.synchronize(handle)
+        params = [p.data for group in self.param_groups for p in group["params"]]
+        broadcast_parameters([(f"hvd_adapt.unsynced.{i}", p) for i, p in enumerate(params)],
+                             root_rank=0)
         self.sync_from_root()
 
     # -- elastic state -----------------------------------------------------------------

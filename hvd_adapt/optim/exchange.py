@@ -10,10 +10,9 @@ and unbounded for CPU ones: on the CPU, Gloo's reductions run on the cores
 backward needs, so overlapping costs more than it saves (see
 ``benchmarks/RESULTS.md``), and one grouped allreduce at the end is fastest.
 Earlier micro-steps accumulate into ``.grad`` with no communication and no
-extra copy. Unlike
-Horovod's, the averaged gradients are waited for at the end of that
-backward pass (as DDP does), so when ``loss.backward()`` returns every rank
-holds the same gradients: clipping, ``GradScaler.unscale_`` and its skip
+extra copy. Unlike Horovod's, the averaged gradients are waited for at the
+end of that backward pass (as DDP does), so when ``loss.backward()`` returns
+every rank holds the same gradients: clipping, ``GradScaler.unscale_`` and its skip
 decision see averaged values, and a rank that then skips ``step()`` leaves
 no collective behind.
 
@@ -81,7 +80,6 @@ class GradientExchange:
         self._cycle = None        # the plan of the backward pass under way
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
-        self._averaged_sqr = None  # the same, averaged over micro-steps and replicas
         self._handles = {}
         self._pair = GradientPair()
         self.stats = None
@@ -145,7 +143,8 @@ class GradientExchange:
         if self._cycle is None:
             self._start_backward()
         cycle = self._cycle
-        if cycle.measure and (cycle.replicas > 1 or not cycle.last or self._micro_steps > 0):
+        # A pair (one replica, one micro-step) is measured on .grad at the end instead.
+        if cycle.measure and cycle.pair is None:
             pre = self._precondition(p)
             if self._micro_sqr is None:
                 self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
@@ -189,8 +188,8 @@ class GradientExchange:
         micro = self._micro_steps + 1
         self._micro_steps = 0
         params = [p for group in self._groups for p in group]
-        local, micro_sqr, self._micro_sqr, self._averaged_sqr = None, self._micro_sqr, None, None
-        extra = None
+        local, micro_sqr, self._micro_sqr = None, self._micro_sqr, None
+        extra = stats_handle = None
         if cycle.replicas > 1:
             last = len(self._buckets) - 1
             # Summed norms ride with the last bucket (its prescale averages them
@@ -207,8 +206,8 @@ class GradientExchange:
                     self._start_allreduce(index, micro, extra if index == last else None)
             self._ready = [0] * len(self._buckets)
             if micro_sqr is not None and extra is None:
-                self._handles["stats"] = (hvd.allreduce_async_(
-                    micro_sqr / micro, name="hvd_adapt.grad_stats", op=hvd.Average), [], True)
+                stats_handle = hvd.allreduce_async_(micro_sqr / micro, name="hvd_adapt.grad_stats",
+                                                    op=hvd.Average)
         elif micro > 1:
             for p in params:
                 if p.grad is not None:
@@ -216,12 +215,12 @@ class GradientExchange:
         if micro_sqr is not None and cycle.replicas == 1:
             local = micro_sqr / micro
         started = time.perf_counter()
-        self.synchronize()
+        carried = self.synchronize()
+        if stats_handle is not None:
+            local = hvd.synchronize(stats_handle).double()
         self.sync_seconds = time.perf_counter() - started
-        if self._averaged_sqr is not None:
-            local = self._averaged_sqr
-            if extra is not None and self._op == hvd.Sum:
-                local = local / cycle.replicas
+        if carried is not None:
+            local = carried / cycle.replicas if self._op == hvd.Sum else carried
         self.finished = (cycle, micro)
         self.stats = None
         if local is not None:
@@ -238,7 +237,9 @@ class GradientExchange:
                                          2, pair=True)
 
     def synchronize(self):
-        """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages."""
+        """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages.
+        Returns the local norms a bucket carried (float64), or None."""
+        carried = None
         handles, self._handles = self._handles, {}
         for index, (handle, compressed, carries_norms) in handles.items():
             try:
@@ -250,24 +251,19 @@ class GradientExchange:
                     "end of backward. If no replica failed, replicas ran different numbers of "
                     "backward passes: every replica must run backward for every batch]") from e
             if carries_norms:
-                if isinstance(outputs, torch.Tensor):
-                    outputs = [outputs]
-                self._averaged_sqr = outputs[-1].double()
-                outputs = outputs[:-1]
-            if index == "stats":
-                continue
+                carried = outputs[-1].double()
             for p, output, (_, ctx) in zip(self._buckets[index], outputs, compressed):
                 if output is not p.grad:
                     p.grad.copy_(self._compression.decompress(output, ctx))
+        return carried
 
     def _pre(self, p):
         pre = self._precondition(p)
         return p.grad if pre is None else p.grad * pre
 
-    def grads_by_group(self, preconditioned=True):
-        """Each group's gradients (preconditioned where the optimizer has a preconditioner)."""
-        return [[self._pre(p) if preconditioned else p.grad for p in group if p.grad is not None]
-                for group in self._groups]
+    def grads_by_group(self):
+        """Each group's gradients, preconditioned where the optimizer has a preconditioner."""
+        return [[self._pre(p) for p in group if p.grad is not None] for group in self._groups]
 
 
 def _buckets(params, cap_bytes):
