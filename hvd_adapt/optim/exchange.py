@@ -19,6 +19,7 @@ no collective behind.
 The squared norms the noise scale needs are taken in the hooks, on the
 device, before anything is averaged.
 """
+import contextlib
 import functools
 import time
 
@@ -175,9 +176,10 @@ class GradientExchange:
         bucket = self._buckets[index]
         compressed = [self._compression.compress(p.grad) for p in bucket]
         tensors = [tensor for tensor, _ in compressed] + ([] if extra is None else [extra])
-        handle = hvd.grouped_allreduce_async_(
-            tensors, name=f"hvd_adapt.grad.{index}", op=self._op,
-            prescale_factor=prescale, postscale_factor=postscale)
+        with _naming_the_cause(index):
+            handle = hvd.grouped_allreduce_async_(
+                tensors, name=f"hvd_adapt.grad.{index}", op=self._op,
+                prescale_factor=prescale, postscale_factor=postscale)
         self._handles[index] = (handle, compressed, extra is not None)
 
     def _end_backward(self):
@@ -242,14 +244,8 @@ class GradientExchange:
         carried = None
         handles, self._handles = self._handles, {}
         for index, (handle, compressed, carries_norms) in handles.items():
-            try:
+            with _naming_the_cause(index):
                 outputs = hvd.synchronize(handle)
-            except HorovodInternalError as e:
-                # The same type, so that hvd.elastic.run still recovers from a lost peer.
-                raise HorovodInternalError(
-                    f"{e} [hvd_adapt: while averaging gradients hvd_adapt.grad.{index} at the "
-                    "end of backward. If no replica failed, replicas ran different numbers of "
-                    "backward passes: every replica must run backward for every batch]") from e
             if carries_norms:
                 carried = outputs[-1].double()
             for p, output, (_, ctx) in zip(self._buckets[index], outputs, compressed):
@@ -264,6 +260,20 @@ class GradientExchange:
     def grads_by_group(self):
         """Each group's gradients, preconditioned where the optimizer has a preconditioner."""
         return [[self._pre(p) for p in group if p.grad is not None] for group in self._groups]
+
+
+@contextlib.contextmanager
+def _naming_the_cause(index):
+    """Add to Horovod's error what hvd_adapt was doing and its likely cause. A peer that is
+    gone shows when the operation is started or when it is waited for, whichever comes first."""
+    try:
+        yield
+    except HorovodInternalError as e:
+        # The same type, so that hvd.elastic.run still recovers from a lost peer.
+        raise HorovodInternalError(
+            f"{e} [hvd_adapt: while averaging gradients hvd_adapt.grad.{index} in backward. "
+            "If no replica failed, replicas ran different numbers of backward passes: every "
+            "replica must run backward for every batch]") from e
 
 
 def _buckets(params, cap_bytes):
