@@ -86,3 +86,9 @@ def test_decide_says_what_the_choice_is_predicted_to_gain():
     assert gain == pytest.approx((20.0 + 1.0) / (20.0 / (batch / 16) + 1.0))
     kept, (speedup, _) = policy.decide(profile, grad, 1, 1, current=choice, forced=False)
     assert kept == choice and speedup == pytest.approx(1.0)
+
+
+def test_default_split_stays_within_max_batch_size():
+    policy = AutoscalePolicy.create(128, 128)
+    assert [policy.default(r) for r in (1, 2, 3, 5, 7)] == [(128, 0), (64, 0), (42, 0), (25, 0), (18, 0)]
+    assert AutoscalePolicy.create(128, 1024).default(3) == (43, 0)

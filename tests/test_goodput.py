@@ -52,12 +52,60 @@ def test_optimize_respects_bounds(accumulation):
             assert goodput == pytest.approx(fn.evaluate(nodes, replicas, b, s))
 
 
-def test_optimize_finds_the_best_of_a_brute_force_search():
-    fn = GoodputFunction(PerfParams(0.05, 0.002, 0.3, 0.02, 0.1, 0.01, 2.0), GradParams(1.0, 0.5), 32)
-    goodput, b, s = fn.optimize(2, 8, 4096, (8, 256), accumulation=True)
-    best = max(fn.evaluate(2, 8, bb, ss) for bb in range(8, 257) for ss in range(0, 4)
-               if 8 * bb * (ss + 1) <= 4096 and 8 * bb * (ss + 1) >= 32)
-    assert goodput >= 0.98 * best
+def exhaustive_best(fn, nodes, replicas, max_batch, lo, hi, accumulation):
+    """The best goodput over every allowed (atomic batch, accumulation steps)."""
+    atomic = np.arange(lo, hi + 1)
+    most = max_batch // (replicas * lo) if accumulation else 1
+    accum = np.arange(0, max(most, 1))[:, None]
+    goodput = fn.evaluate(nodes, replicas, atomic, accum)
+    feasible = replicas * atomic * (accum + 1) <= max_batch
+    return float(np.where(feasible, goodput, 0.0).max())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("accumulation", [False, True])
+def test_optimize_reaches_the_exhaustive_best(seed, accumulation):
+    rng = np.random.default_rng(100 + seed)
+    worst = 1.0
+    for fn in random_functions(seed, count=20):
+        replicas = int(rng.choice([1, 2, 3, 5, 6, 7, 8, 12, 16]))
+        nodes = int(rng.integers(1, replicas + 1))
+        lo = int(rng.integers(1, 33))
+        hi = int(rng.integers(lo, 513))
+        cap = int(fn.init_batch_size * rng.choice([1, 2, 8, 32]))
+        best = exhaustive_best(fn, nodes, replicas, cap, lo, hi, accumulation)
+        goodput, b, s = fn.optimize(nodes, replicas, cap, (lo, hi), accumulation)
+        if best == 0:
+            assert goodput == 0
+            continue
+        assert lo <= b <= hi and replicas * b * (s + 1) <= cap and (accumulation or s == 0)
+        assert goodput == pytest.approx(float(fn.evaluate(nodes, replicas, b, s)))
+        worst = min(worst, goodput / best)
+    assert worst >= 0.999
+
+
+def test_optimize_when_the_replicas_do_not_divide_the_initial_batch():
+    # The default max_batch_size is B0: 3 replicas of B0=128 train 3 x 42.
+    fn = GoodputFunction(PerfParams(0.02, 0.001, 0.1, 0.01, 0.05, 0.005, 1.5),
+                         GradParams(sqr=1.0, var=4.0), init_batch_size=128)
+    for replicas in (3, 5, 6, 7):
+        goodput, b, s = fn.optimize(1, replicas)
+        assert (b, s) == (128 // replicas, 0)
+        assert goodput == pytest.approx(float(fn.evaluate(1, replicas, b, 0)))
+
+
+def test_optimize_reaches_a_cap_the_replicas_do_not_divide():
+    # Bigger is better here: without accumulation the answer fills
+    # max_batch_size as closely as whole atomic batches allow.
+    fn = GoodputFunction(PerfParams(0.01, 1e-4, 1e-3, 1e-3, 1e-3, 1e-4, 1.0),
+                         GradParams(sqr=1e-6, var=1.0), 128)
+    for replicas in (3, 5, 6, 7):
+        for accumulation, hi in ((False, 4096), (True, 100)):
+            goodput, b, s = fn.optimize(1, replicas, 4096, (1, hi), accumulation)
+            best = exhaustive_best(fn, 1, replicas, 4096, 1, hi, accumulation)
+            assert goodput >= 0.999 * best
+            if not accumulation:
+                assert 4096 - replicas * b < replicas
 
 
 def test_optimize_reaches_the_atomic_bound_exactly_where_bigger_is_better():

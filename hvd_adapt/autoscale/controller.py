@@ -10,6 +10,8 @@ When to decide (before the first batch, after a resize or restore, every
 choice (rank 0 decides, the others wait sleeping, then one broadcast) live
 here; what to choose is the :class:`~hvd_adapt.autoscale.policy.AutoscalePolicy`'s.
 
+>>> import hvd_adapt
+>>> hvd_adapt.init()
 >>> controller = Controller(init_batch_size=128)
 >>> controller.local_bsz, controller.accumulation_steps   # one replica, no autoscaling
 (128, 0)

@@ -63,9 +63,12 @@ class AutoscalePolicy:
         return cls(init_batch_size, max_batch_size, (lo, hi), gradient_accumulation, decide_every)
 
     def default(self, num_replicas):
-        """The choice before anything is measured: B0 split over the replicas, within bounds."""
+        """The choice before anything is measured: B0 split over the replicas, within bounds
+        (rounded down where rounding up would exceed max_batch_size)."""
         lo, hi = self.local_bsz_bounds
         local = math.ceil(self.init_batch_size / num_replicas)
+        if local * num_replicas > self.max_batch_size:
+            local = max(self.max_batch_size // num_replicas, 1)
         if local > hi and self.gradient_accumulation:
             accum = math.ceil(local / hi) - 1
             return max(lo, math.ceil(local / (accum + 1))), accum

@@ -109,10 +109,11 @@ class GoodputFunction:
                  accumulation=False):
         """Best (goodput, atomic_bsz, accum_steps) for each (num_nodes, num_replicas).
 
-        Candidate global batches are spaced geometrically from B0 (or the
-        smallest the bounds allow) to ``max_batch_size``; each is split into
-        an atomic batch within ``atomic_bsz_range`` and, with
-        ``accumulation``, the fewest accumulation steps that fit. Scalars in,
+        The choice is over integer atomic batches within ``atomic_bsz_range``
+        and, with ``accumulation``, integer accumulation steps, such that the
+        global batch ``num_replicas * atomic_bsz * (accum_steps + 1)`` is at
+        most ``max_batch_size`` (default: the initial batch B0, split as
+        evenly as the replicas allow when they do not divide it). Scalars in,
         scalars out; arrays in, arrays out. Where no configuration fits the
         bounds, goodput is 0 and the smallest atomic batch is returned.
         """
@@ -128,28 +129,52 @@ class GoodputFunction:
         lo = 1 if lo is None else lo
         hi = max_batch_size if hi is None else hi
 
-        min_batch = np.maximum(self.init_batch_size, lo * replicas)
-        top = np.maximum(max_batch_size, min_batch)
-        # 64 geometric steps keep the search under a millisecond and within
-        # about 1% of the best batch size; the largest batch a step holds
-        # without accumulating is a candidate too, since where bigger is
-        # better that bound is the answer, and a user who set it expects it.
-        batch = np.concatenate([np.geomspace(min_batch, top, num=64),
-                                np.clip(hi * replicas, min_batch, top)[None]])
-        local = batch / replicas
+        nodes, replicas = nodes[:, None, None], replicas[:, None, None]
         if accumulation:
-            accum = np.maximum(np.ceil(local / hi - 1e-8) - 1, 0)
+            accum = self._accumulation_candidates(nodes, replicas, max_batch_size, lo, hi)
         else:
-            accum = np.zeros_like(local)
-        atomic = np.ceil(local / (accum + 1) - 1e-8)
-        goodput = self.evaluate(nodes, replicas, atomic, accum)
-        valid = (atomic >= lo) & (atomic <= hi) & (replicas * atomic * (accum + 1) <= max_batch_size)
-        goodput = np.where(valid, goodput, 0.0)
-        best = np.argmax(goodput, axis=0)
-        cols = np.arange(goodput.shape[1])
-        best_goodput = goodput[best, cols]
-        best_atomic = np.where(best_goodput > 0, atomic[best, cols], lo).astype(int)
-        best_accum = np.where(best_goodput > 0, accum[best, cols], 0).astype(int)
+            accum = np.zeros((len(replicas), 1, 1))
+        # For a fixed accumulation count goodput is smooth in the atomic
+        # batch: a coarse geometric grid finds the peak, a fine one between
+        # its neighbours pins it, and the integers either side of every fine
+        # point and both ends of the range are the candidates.
+        top = np.minimum(hi, np.floor(max_batch_size / (replicas * (accum + 1)) + 1e-9))
+        coarse = np.geomspace(lo, np.maximum(top, lo)[..., 0], num=48, axis=-1)
+        peak = np.argmax(self.evaluate(nodes, replicas, coarse, accum), axis=-1)[..., None]
+        left = np.take_along_axis(coarse, np.maximum(peak - 1, 0), axis=-1)
+        right = np.take_along_axis(coarse, np.minimum(peak + 1, coarse.shape[-1] - 1), axis=-1)
+        fine = left + (right - left) * np.linspace(0.0, 1.0, 33)
+        atomic = np.concatenate([np.floor(fine), np.ceil(fine),
+                                 np.broadcast_to(float(lo), top.shape), top], axis=-1)
+        atomic = np.clip(atomic, lo, np.maximum(top, lo))
+        accum = np.broadcast_to(accum, atomic.shape)
+        valid = replicas * atomic * (accum + 1) <= max_batch_size
+        goodput = np.where(valid, self.evaluate(nodes, replicas, atomic, accum), 0.0)
+
+        flat = goodput.reshape(len(goodput), -1)
+        best = np.argmax(flat, axis=1)
+        rows = np.arange(len(flat))
+        best_goodput = flat[rows, best]
+        found = best_goodput > 0
+        best_atomic = np.where(found, atomic.reshape(len(flat), -1)[rows, best], lo).astype(int)
+        best_accum = np.where(found, accum.reshape(len(flat), -1)[rows, best], 0).astype(int)
         if scalar:
             return float(best_goodput[0]), int(best_atomic[0]), int(best_accum[0])
         return best_goodput.reshape(shape), best_atomic.reshape(shape), best_accum.reshape(shape)
+
+    def _accumulation_candidates(self, nodes, replicas, max_batch_size, lo, hi):
+        # For a given local batch, fewer and larger micro-batches are never
+        # slower (each micro-step pays alpha_c, the last one's compute hides
+        # part of the allreduce), so the continuous optimum takes the fewest
+        # steps the atomic bound allows. Its step count, and the one that
+        # reaches max_batch_size, are where the integer optimum lies; two on
+        # either side of each absorb rounding to whole samples.
+        most = np.floor(max_batch_size / (replicas * lo) + 1e-9) - 1
+        local = np.geomspace(lo, np.maximum(max_batch_size / replicas, lo)[..., 0], num=256, axis=-1)
+        steps = np.ceil(local / hi - 1e-9) - 1
+        relaxed = self.evaluate(nodes, replicas, local / (steps + 1), steps)
+        peak = np.take_along_axis(steps, np.argmax(relaxed, axis=-1)[..., None], axis=-1)
+        at_cap = np.ceil(max_batch_size / (replicas * hi) - 1e-9) - 1
+        window = np.arange(-2, 3)
+        candidates = np.concatenate([np.zeros_like(peak), peak + window, at_cap + window], axis=-1)
+        return np.swapaxes(np.clip(candidates, 0, np.maximum(most, 0)), 1, 2)
