@@ -1,68 +1,229 @@
-"""Wall time to a target validation accuracy on digits: fixed small, fixed large, adaptive.
+"""Training time to early, middle and final targets: a sweep of fixed batch sizes against the adaptive run.
 
-Runs examples/digits/train.py three ways in one process: a fixed small batch,
-a fixed large batch with the learning rate scaled linearly, and hvd_adapt's
-adaptive batch starting from the small one.
+For one workload of ``benchmarks/workloads`` every fixed global batch of its
+sweep (learning rate scaled from the base batch by the workload's rule) and
+the adaptive run (hvd_adapt chooses batch size and accumulation steps,
+starting at the sweep's smallest batch, bounded by its largest) train from
+``--seeds`` seeds each, each run in its own process(es), at 1 or 2 replicas.
+Validation is read every ``read_every`` training samples with the clock
+stopped. Printed: the median seconds of every run to every target with its
+spread over seeds, then ``adaptive / best fixed`` and ``adaptive / median
+fixed``; written: a JSON of every curve and a PNG (with matplotlib).
 
-    python benchmarks/time_to_accuracy.py [--target 0.97] [--max-epochs 60]
+    python benchmarks/time_to_accuracy.py --workload shapes [--procs 2] [--seeds 3]
 """
 import argparse
+import dataclasses
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
-                                "digits"))
-import train as digits  # noqa: E402
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import workloads  # noqa: E402
 
 
-def run(name, argv, repeats):
-    """Median wall time of ``repeats`` runs, with the last run's epochs and best accuracy (fixed
-    runs are deterministic; the adaptive run's choices depend on measured step times)."""
-    times = []
-    for _ in range(repeats):
+def train_one(config):
+    """Train one run of ``config``; rank 0 returns its curve: rows of (seconds, samples,
+    metric, global batch, accumulation steps, replicas)."""
+    import torch
+    import hvd_adapt
+    hvd_adapt.init()
+    workload = resolve(config)
+    train_set, val_set = workload.make_data(0, config["size"])
+    torch.manual_seed(config["seed"])
+    model = workload.make_model()
+    batch = config["batch"]
+    opt = hvd_adapt.DistributedOptimizer(
+        workload.make_optimizer(model.parameters(), workload.lr_for(batch)))
+    loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=batch, shuffle=True,
+                                          seed=config["seed"])
+    if config["adaptive"]:
+        loader.autoscale_batch_size(config["max_batch"],
+                                    local_bsz_bounds=(1, workload.max_local_bsz),
+                                    gradient_accumulation=True)
+    state = hvd_adapt.State(model=model, optimizer=opt, loader=loader)
+    state.sync()
+    final = workload.targets[-1]
+    curve, clock, samples, unread = [], 0.0, 0, 0
+    for _ in hvd_adapt.remaining_epochs_until(10 ** 6):
         started = time.perf_counter()
-        best, epochs = digits.main(argv + ["--quiet"])
-        times.append(time.perf_counter() - started)
-    return name, sorted(times)[len(times) // 2], epochs, best
+        for x, y in loader:
+            loss = workload.loss(model, (x, y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step_samples = len(y) * hvd_adapt.env.size()
+            samples += step_samples
+            unread += step_samples
+            if unread < workload.read_every:
+                continue
+            clock += time.perf_counter() - started
+            unread = 0
+            value = workload.evaluate(model, val_set)
+            curve.append((clock, samples, value, loader.current_batch_size,
+                          loader.accumulation_steps, hvd_adapt.env.size()))
+            if workload.reached(value, final) or clock > config["max_seconds"]:
+                return curve if hvd_adapt.env.rank() == 0 else None
+            started = time.perf_counter()
+        clock += time.perf_counter() - started
+
+
+def resolve(config):
+    """The workload of ``config`` with its command-line overrides applied."""
+    overrides = {key: tuple(value) if isinstance(value, list) else value
+                 for key, value in config.get("overrides", {}).items()}
+    return dataclasses.replace(workloads.get(config["workload"]), **overrides)
+
+
+def launch(config, procs, timeout):
+    """Run ``config`` in fresh processes (``horovodrun --gloo`` for 2) and return its curve."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "curve.json")
+        command = [sys.executable, os.path.abspath(__file__), "--run-one", json.dumps(config),
+                   "--out", out]
+        if procs > 1:
+            command = ["horovodrun", "-np", str(procs), "-H", f"localhost:{procs}",
+                       "--gloo"] + command
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // procs)))
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"run {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def time_to(curve, workload, target):
+    """Seconds of training until ``target`` is first read (inf if never)."""
+    return next((row[0] for row in curve if workload.reached(row[2], target)), float("inf"))
+
+
+def report(workload, runs):
+    """Print the table; return {target: (adaptive / best fixed, adaptive / median fixed)}."""
+    names = list(runs)
+    print(f"\n{workload.name}: median seconds to target over {len(runs[names[0]])} seeds "
+          f"[min-max]; {workload.metric}, {'higher' if workload.higher_is_better else 'lower'}"
+          " is better")
+    print(f"{'target':>8} " + " ".join(f"{n:>22}" for n in names)
+          + f" {'adaptive/best':>14} {'adaptive/median':>16}")
+    ratios = {}
+    for target in workload.targets:
+        times = {n: [time_to(c, workload, target) for c in runs[n]] for n in names}
+        medians = {n: float(np.median(times[n])) for n in names}
+        fixed = [medians[n] for n in names if n != "adaptive"]
+        ratio_best = medians["adaptive"] / min(fixed)
+        ratio_median = medians["adaptive"] / float(np.median(fixed))
+        ratios[target] = (ratio_best, ratio_median)
+        cells = [f"{medians[n]:7.1f} [{min(times[n]):5.1f}-{max(times[n]):5.1f}]" for n in names]
+        print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells)
+              + f" {ratio_best:>14.2f} {ratio_median:>16.2f}")
+    worst = max(r[0] for r in ratios.values())
+    final_best, final_median = ratios[workload.targets[-1]]
+    print(f"worst_adaptive_vs_best_fixed={worst:.3f} final_adaptive_vs_best_fixed={final_best:.3f}"
+          f" final_adaptive_vs_median_fixed={final_median:.3f}")
+    return ratios
+
+
+def plot(workload, runs, path):
+    """Metric against training time for every run; the adaptive runs' batch and replicas."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+    colours = plt.cm.viridis(np.linspace(0, 0.9, len(runs)))
+    for colour, (name, curves) in zip(colours, runs.items()):
+        for i, curve in enumerate(curves):
+            rows = np.array(curve)
+            style = "-" if name == "adaptive" else "--"
+            top.plot(rows[:, 0], rows[:, 2], style, color="red" if name == "adaptive" else colour,
+                     alpha=0.8, label=name if i == 0 else None)
+            if name == "adaptive":
+                bottom.step(rows[:, 0], rows[:, 3], where="post", color="red", alpha=0.8,
+                            label="global batch" if i == 0 else None)
+                bottom.step(rows[:, 0], rows[:, 5], where="post", color="black", alpha=0.5,
+                            label="replicas" if i == 0 else None)
+    for target in workload.targets:
+        top.axhline(target, color="grey", lw=0.5)
+    top.set_ylabel(workload.metric)
+    top.set_title(f"{workload.name}: {workload.metric} against training time")
+    top.legend(fontsize=8)
+    bottom.set_yscale("log", base=2)
+    bottom.set_ylabel("adaptive run")
+    bottom.set_xlabel("training seconds (evaluation excluded)")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"plot written to {path}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=float, default=0.97)
-    parser.add_argument("--max-epochs", type=int, default=60)
-    parser.add_argument("--small", type=int, default=32)
-    parser.add_argument("--large", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate at the small batch")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workload", default="digits", choices=workloads.NAMES)
+    parser.add_argument("--procs", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated fixed global batches (default: the workload's)")
+    parser.add_argument("--size", type=float, default=1.0,
+                        help="training-set size relative to the workload's (smoke tests: small)")
+    parser.add_argument("--max-seconds", type=float, default=300.0,
+                        help="a run stops here if it has not reached the final target")
+    parser.add_argument("--targets", default=None, help="comma-separated, instead of the workload's")
+    parser.add_argument("--read-every", type=int, default=None, help="training samples")
+    parser.add_argument("--out", default=None,
+                        help="JSON of every curve (with --run-one: of that run's curve); the PNG "
+                             "goes next to it (default: time_to_accuracy_<workload>_<procs>p.json)")
+    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    common = ["--target-accuracy", str(args.target), "--epochs", str(args.max_epochs)]
-    # Warm-up: imports, the data set and allocator caches, paid once, by nobody.
-    digits.main(common[:2] + ["--epochs", "1", "--quiet"])
-    large_lr = args.lr * args.large / args.small
-    results = [
-        run(f"fixed bsz={args.small}", common + ["--batch-size", str(args.small), "--lr",
-                                                 str(args.lr), "--no-autoscale"], args.repeats),
-        run(f"fixed bsz={args.large} (linear lr)", common + [
-            "--batch-size", str(args.large), "--lr", str(large_lr), "--no-autoscale",
-            "--max-batch-size", str(args.large), "--max-local-bsz", str(args.large)], args.repeats),
-        # The same memory bound as the fixed large run, which shows it fits.
-        run(f"adaptive {args.small}..{args.large}", common + [
-            "--batch-size", str(args.small), "--lr", str(args.lr),
-            "--max-batch-size", str(args.large), "--max-local-bsz", str(args.large)],
-            args.repeats),
-    ]
-    print(f"\n{'run':<28} {'seconds':>8} {'epochs':>7} {'best_acc':>9} {'reached':>8}")
-    for name, seconds, epochs, best in results:
-        print(f"{name:<28} {seconds:>8.2f} {epochs:>7} {best:>9.4f} {str(best >= args.target):>8}")
-    fixed = [r for r in results[:2] if r[3] >= args.target]
-    adaptive = results[2]
-    if not fixed or adaptive[3] < args.target:
-        print("adaptive_vs_best_fixed=nan (a run missed the target)")
-        return float("nan")
-    ratio = adaptive[1] / min(r[1] for r in fixed)
-    print(f"adaptive_vs_best_fixed={ratio:.3f} (goal <= 0.8, never > 1.05)")
-    return ratio
+    if args.run_one is not None:
+        curve = train_one(json.loads(args.run_one))
+        if curve is not None:
+            with open(args.out, "w") as f:
+                json.dump(curve, f)
+        return None
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if not 0 < args.size <= 1:
+        parser.error(f"--size must be in (0, 1], got {args.size}")
+    overrides = {}
+    if args.targets:
+        overrides["targets"] = tuple(float(t) for t in args.targets.split(","))
+    if args.read_every:
+        overrides["read_every"] = args.read_every
+    if args.batches:
+        overrides["batches"] = tuple(int(b) for b in args.batches.split(","))
+    workload = resolve({"workload": args.workload, "overrides": overrides})
+    if len(workload.batches) < 2 or min(workload.batches) < args.procs:
+        parser.error(f"--batches needs two or more sizes >= --procs, got {workload.batches}")
+    base = {"workload": args.workload, "size": args.size, "max_seconds": args.max_seconds,
+            "max_batch": max(workload.batches)}
+    base["overrides"] = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}
+    configs = {f"fixed {b}": dict(base, batch=b, adaptive=False) for b in workload.batches}
+    configs["adaptive"] = dict(base, batch=min(workload.batches), adaptive=True)
+    runs = {name: [] for name in configs}
+    started = time.time()
+    # Seeds outermost, so a slow drift of the machine touches every configuration alike.
+    for seed in range(args.seeds):
+        for name, config in configs.items():
+            curve = launch(dict(config, seed=seed), args.procs, timeout=args.max_seconds * 4 + 300)
+            runs[name].append(curve)
+            print(f"[{time.time() - started:6.0f}s] seed {seed} {name:>10}: "
+                  f"{curve[-1][2]:.4f} after {curve[-1][0]:.1f}s", flush=True)
+    report(workload, runs)
+    out = args.out or f"time_to_accuracy_{args.workload}_{args.procs}p.json"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"workload": args.workload, "procs": args.procs, "runs": runs}, f)
+    try:
+        plot(workload, runs, os.path.splitext(out)[0] + ".png")
+    except ImportError:
+        print("no plot: pip install matplotlib (the [benchmarks] extra)")
+    return runs
 
 
 if __name__ == "__main__":

@@ -260,26 +260,34 @@ def test_epochs_by_progress_needs_an_optimizer():
         loader.autoscale_batch_size(8, epochs_by_progress=1)
 
 
-def test_decisions_come_every_decide_every_steps_across_short_epochs():
+def test_decisions_come_early_then_every_decide_every_steps_across_short_epochs():
     # 8 steps per pass and decide_every=10: a per-pass step count never
-    # reaches 10, so only a count kept across epochs ever decides again.
-    # Noise-only gradients make the largest batch the best choice.
+    # reaches 10, so only a count kept across epochs decides at steps 22, 32.
+    # Before that decisions come after 4 and 8 more steps, the batch at most
+    # doubling each time. Noise-only gradients make the largest batch best.
     from torch.utils.data import TensorDataset
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(50))
     opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.0))
     loader = AdaptiveDataLoader(TensorDataset(torch.randn(64, 50, generator=gen)), batch_size=8,
                                 shuffle=True)
-    loader.autoscale_batch_size(64, decide_every=10)
+    loader.autoscale_batch_size(128, decide_every=10)
     hvd_adapt.State(optimizer=opt, loader=loader)
-    sizes = []
-    for _ in range(3):
+    changes, steps, size = [], 0, 8
+    while steps < 40:
         for (x,) in loader:
+            if loader.current_batch_size != size:
+                changes.append((steps, loader.current_batch_size))
+                size = loader.current_batch_size
             opt.zero_grad()
             (x @ w).mean().backward()
             opt.step()
-        sizes.append(loader.current_batch_size)
-    assert sizes[0] == 8 and sizes[-1] > 8, sizes
+            steps += 1
+    # Decisions at steps 4, 12 (cautious: x2 each), then 22, 32 (free).
+    assert [step for step, _ in changes][:2] == [4, 12], changes
+    assert [bsz for _, bsz in changes][:2] == [16, 32], changes
+    assert all(step in (4, 12, 22, 32) for step, _ in changes), changes
+    assert changes[-1][1] == 128, changes
 
 
 def test_autoscaling_rank_loads_scipy_before_training():
@@ -300,7 +308,8 @@ def test_autoscaling_rank_loads_scipy_before_training():
 class SwitchingPolicy(AutoscalePolicy):
     """Decides (2, 0) before the first batch and (5, 0) at every later decision."""
 
-    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced,
+               batch_cap=None):
         return ((2, 0) if forced else (5, 0)), None
 
 

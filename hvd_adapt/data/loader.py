@@ -214,12 +214,13 @@ class AdaptiveDataLoader(Participant):
                 yield batch
                 if not controller.is_optim_step():
                     continue
+                # A decision due after a pass's last step is made before the next pass's first.
+                controller.optim_step_done()
                 if by_progress and controller.epoch_progress_made(self.sampler.num_samples):
                     self.sampler.finish_pass()
                     return
                 if final:
                     continue
-                controller.optim_step_done()
                 if controller.decision_due:
                     # Deciding is not part of the step the profile times.
                     spent = controller.timed_decision()
