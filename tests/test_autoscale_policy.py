@@ -92,3 +92,6 @@ def test_default_split_stays_within_max_batch_size():
     policy = AutoscalePolicy.create(128, 128)
     assert [policy.default(r) for r in (1, 2, 3, 5, 7)] == [(128, 0), (64, 0), (42, 0), (25, 0), (18, 0)]
     assert AutoscalePolicy.create(128, 1024).default(3) == (43, 0)
+    # Accumulating: B0=10 in atomic batches of at most 4 is 3 x 3, not 3 x 4.
+    assert AutoscalePolicy.create(10, 10, (1, 4), gradient_accumulation=True).default(1) == (3, 2)
+    assert AutoscalePolicy.create(10, 12, (1, 4), gradient_accumulation=True).default(1) == (4, 2)

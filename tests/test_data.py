@@ -352,3 +352,21 @@ def test_iterable_dataset_is_refused_with_what_to_use():
 
     with pytest.raises(ValueError, match="map-style dataset.*IterableDataset Stream"):
         AdaptiveDataLoader(Stream(), batch_size=2)
+
+
+def test_loader_iterated_twice_in_an_epoch_makes_two_passes_but_resumes_finished_ones():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=4)
+    state = hvd_adapt.State(val_loader=loader)
+    passes = []
+    for epoch in hvd_adapt.remaining_epochs_until(2):
+        for _ in range(2):  # read mid-epoch and at the end
+            assert len(loader) == 3
+            passes.append(sorted(int(i) for batch in loader for i in batch))
+        state.commit()
+    assert passes == [list(range(10))] * 4
+    # A restore that finds this epoch's pass finished does not repeat it.
+    for epoch in hvd_adapt.remaining_epochs_until(3):
+        list(loader)
+        state.commit()
+        state.restore()
+        assert list(loader) == []

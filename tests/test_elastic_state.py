@@ -97,8 +97,24 @@ def test_epoch_loop_resumes_in_the_committed_epoch():
         if epoch == 1:
             break
     assert epochs == [(0, 0), (1, 1)]
-    assert [e for e in hvd_adapt.remaining_epochs_until(3)] == [1, 2]
+    # As in AdaptDL: the epoch left with break counts as finished.
+    assert [e for e in hvd_adapt.remaining_epochs_until(3)] == [2]
     assert state.epoch == 3 and hvd_adapt.current_epoch() is None
+
+
+def test_epoch_loop_left_by_a_resize_goes_on_in_the_same_epoch():
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    state = make_job()[0]
+    seen = []
+    try:
+        for epoch in hvd_adapt.remaining_epochs_until(4):
+            seen.append(epoch)
+            if epoch == 1:
+                raise HostsUpdatedInterrupt(skip_sync=True)
+    except HostsUpdatedInterrupt:
+        state.on_reset()  # what hvd.elastic.run does before calling the function again
+    seen += list(hvd_adapt.remaining_epochs_until(4))
+    assert seen == [0, 1, 1, 2, 3]
 
 
 def test_remaining_epochs_until_rejects_bad_values():
@@ -306,8 +322,31 @@ def test_values_of_registered_handlers_load_back_from_a_checkpoint(tmp_path):
     state.commit()
     state.save_checkpoint(str(tmp_path / "c.pt"))
     fresh = State(counter=Counter(0))
-    assert fresh.load_checkpoint(str(tmp_path / "c.pt"))
+    # A value of the user's own class is arbitrary pickled code: refused
+    # unless the caller vouches for the file.
+    with pytest.raises(CheckpointError, match="trusted=True"):
+        fresh.load_checkpoint(str(tmp_path / "c.pt"))
+    assert fresh.load_checkpoint(str(tmp_path / "c.pt"), trusted=True)
     assert fresh.counter.count == 7
+
+
+class Planted:
+    """Unpickling this runs code, as a planted checkpoint would."""
+
+    def __reduce__(self):
+        return (os.system, ("touch planted-ran",))
+
+
+def test_a_planted_checkpoint_does_not_run_code_on_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "job.pt")
+    make_job()[0].save_checkpoint(path)
+    payload = torch.load(path, weights_only=False)
+    payload["objects"]["evil"] = Planted()
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError, match="trusted=True"):
+        make_job()[0].load_checkpoint(path)
+    assert not os.path.exists(tmp_path / "planted-ran")
 
 
 def test_plain_values_are_snapshotted_so_in_place_changes_do_not_survive_a_restore():

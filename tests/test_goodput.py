@@ -53,12 +53,14 @@ def test_optimize_respects_bounds(accumulation):
 
 
 def exhaustive_best(fn, nodes, replicas, max_batch, lo, hi, accumulation):
-    """The best goodput over every allowed (atomic batch, accumulation steps)."""
+    """The best goodput over every allowed (atomic batch, accumulation steps): within the
+    bounds, at most max_batch, and at least B0 split over replicas and steps, rounded down."""
     atomic = np.arange(lo, hi + 1)
     most = max_batch // (replicas * lo) if accumulation else 1
     accum = np.arange(0, max(most, 1))[:, None]
     goodput = fn.evaluate(nodes, replicas, atomic, accum)
-    feasible = replicas * atomic * (accum + 1) <= max_batch
+    feasible = (replicas * atomic * (accum + 1) <= max_batch) & \
+        (atomic >= fn.init_batch_size // (replicas * (accum + 1)))
     return float(np.where(feasible, goodput, 0.0).max())
 
 

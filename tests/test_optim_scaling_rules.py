@@ -105,7 +105,7 @@ def test_converges_with_accumulation_above_the_initial_batch(rule):
     # B0 = 10 with atomic batches of at most 4: 3 micro-batches of 4, so B = 12 > B0
     # and the rule scales the lr on every step.
     data, w_best = regression(1024, noise=1.0)
-    w, loader = fit(data, 10, bounds=(1, 4), epochs=8, rule=rule, lr=0.01)
+    w, loader = fit(data, 10, bounds=(1, 4), epochs=8, rule=rule, lr=0.01, max_batch_size=12)
     assert (loader.current_local_bsz, loader.accumulation_steps) == (4, 2)
     assert loader.current_batch_size == 12
     assert torch.allclose(w, w_best, atol=0.05), (w, w_best)

@@ -71,7 +71,10 @@ class AutoscalePolicy:
             local = max(self.max_batch_size // num_replicas, 1)
         if local > hi and self.gradient_accumulation:
             accum = math.ceil(local / hi) - 1
-            return max(lo, math.ceil(local / (accum + 1))), accum
+            atomic = math.ceil(local / (accum + 1))
+            if num_replicas * atomic * (accum + 1) > self.max_batch_size:
+                atomic = local // (accum + 1)
+            return max(lo, atomic), accum
         return min(max(local, lo), hi), 0
 
     def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced,

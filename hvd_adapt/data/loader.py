@@ -40,6 +40,9 @@ class AdaptiveDataLoader(Participant):
     :meth:`autoscale_batch_size` lets hvd_adapt choose the local batch and the
     gradient accumulation steps for goodput. Iteration resumes mid-epoch after
     a restore, and the rest of an epoch is re-partitioned after a resize.
+    Iterated again in the same epoch (a validation loader read mid-epoch and
+    at its end), it makes another full pass; a pass found finished in
+    restored state is not repeated.
     Only an epoch's last batch can be padded (so every rank takes the same
     number of steps); ``num_padded`` says how many of its trailing samples
     repeat others.
@@ -84,6 +87,11 @@ class AdaptiveDataLoader(Participant):
         self.num_padded = 0
         self._kwargs = kwargs
         self._handed_out = None  # batches of the pass being iterated so far; None between passes
+        # True once this process iterated a pass to its end since the last
+        # restore: iterating again in the same epoch is then a new pass (a
+        # validation loader read twice), while a pass found finished in
+        # restored state is skipped (the re-run after a reset resumes).
+        self._finished_pass_here = False
 
     # -- what the current plan is ----------------------------------------------------
     @property
@@ -149,6 +157,10 @@ class AdaptiveDataLoader(Participant):
             return epoch
         return self.sampler.epoch + 1 if self.sampler.remaining == 0 else self.sampler.epoch
 
+    def _repeats_pass(self, epoch):
+        return (epoch == self.sampler.epoch and self.sampler.remaining == 0
+                and self._finished_pass_here)
+
     def _torch_loader(self, plan):
         generator = torch.Generator()
         generator.manual_seed(hash((self.sampler.seed, self.sampler.epoch,
@@ -165,7 +177,10 @@ class AdaptiveDataLoader(Participant):
         epoch = self._next_pass_epoch()
         if epoch != self.sampler.epoch:
             controller.start_epoch()
+        if self._repeats_pass(epoch):
+            self.sampler.next_pass()
         self.sampler.set_epoch(epoch)
+        self._finished_pass_here = False
         controller.start_cycles()
         try:
             while True:
@@ -176,6 +191,7 @@ class AdaptiveDataLoader(Participant):
         finally:
             self._handed_out = None
         self.num_padded = 0
+        self._finished_pass_here = True
 
     def _iterate_pass(self, by_progress):
         controller = self.controller
@@ -234,7 +250,8 @@ class AdaptiveDataLoader(Participant):
         rest = self.sampler.num_batches(local, size, self.drop_last)
         if self._handed_out is not None:
             return self._handed_out + rest
-        if self._next_pass_epoch() != self.sampler.epoch:
+        epoch = self._next_pass_epoch()
+        if epoch != self.sampler.epoch or self._repeats_pass(epoch):
             return self.sampler.num_batches(local, size, self.drop_last,
                                             samples=self.sampler.num_samples)
         return rest
@@ -246,9 +263,11 @@ class AdaptiveDataLoader(Participant):
     def load_state_dict(self, state):
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])
+        self._finished_pass_here = False
 
     def on_reset(self):
         self.controller.request_decision()
+        self._finished_pass_here = False
 
     def at_commit_point(self):
         return self.controller.is_optim_step()

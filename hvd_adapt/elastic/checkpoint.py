@@ -8,6 +8,7 @@ the previous checkpoint intact.
 import os
 import pickle
 
+import numpy as np
 import torch
 
 FORMAT = "hvd_adapt-checkpoint-v2"
@@ -33,15 +34,38 @@ def write_atomically(payload, path):
             os.remove(tmp)
 
 
-def read(path, expected_names):
+def _numpy_globals():
+    # What hvd_adapt's own state pickles besides tensors: numpy arrays (noise
+    # statistics, the step-time profile) and their dtypes.
+    core = getattr(np, "_core", None) or np.core
+    dtypes = [type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32, np.bool_)]
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct] + dtypes
+
+
+def read(path, expected_names, trusted=False):
     """The payload in ``path``; raises :class:`CheckpointError` naming the file and the cause.
 
     ``expected_names`` are the names the State carries: a checkpoint of a
-    State with other contents is refused rather than half loaded.
+    State with other contents is refused rather than half loaded. Unless
+    ``trusted``, the file is unpickled with ``weights_only=True`` (tensors,
+    numpy arrays and plain Python values only), so a planted file cannot run
+    code on load.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, ValueError,
+        if trusted:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        else:
+            with torch.serialization.safe_globals(_numpy_globals()):
+                payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if trusted or "weights_only" not in str(e).lower():
+            raise CheckpointError(f"checkpoint {path} is unreadable (UnpicklingError: {e}); "
+                                  "delete it to start afresh") from e
+        raise CheckpointError(
+            f"checkpoint {path} holds Python objects other than tensors, numpy arrays and plain "
+            f"values, which loading would execute; if you wrote this file yourself, load it "
+            f"with load_checkpoint(path, trusted=True). ({str(e).splitlines()[-1]})") from e
+    except (EOFError, RuntimeError, OSError, ValueError,
             AttributeError, ImportError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                               "delete it to start afresh") from e

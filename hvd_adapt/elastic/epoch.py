@@ -21,12 +21,32 @@ class EpochCounter(Participant):
     def __init__(self):
         self.epoch = 0
         self.in_loop = False
+        self._left_early = False
 
     def state_dict(self):
         return {"epoch": self.epoch}
 
     def load_state_dict(self, state):
         self.epoch = state["epoch"]
+        self._left_early = False
+
+    def leave_early(self):
+        """The loop was left inside an epoch: count that epoch as done, as a ``break`` means."""
+        self.epoch += 1
+        self._left_early = True
+
+    def enter(self):
+        """A loop starts: an earlier loop's early exit is settled."""
+        self.in_loop = True
+        self._left_early = False
+
+    def on_reset(self):
+        # A resize interrupt leaves the loop the same way a break does (the
+        # generator is closed as the exception passes), but the re-run
+        # training function must go on in the epoch it was in.
+        if self._left_early:
+            self.epoch -= 1
+            self._left_early = False
 
 
 def remaining_epochs_until(epoch, checkpoint=None):
@@ -36,7 +56,9 @@ def remaining_epochs_until(epoch, checkpoint=None):
     epoch 7 of 30 yields 7..29. Between two epochs the loop commits the
     state with the counter already moved on (a collective, and a point where
     resizes take effect), and writes it to ``checkpoint`` if given, so a
-    restart never repeats a finished epoch.
+    restart never repeats a finished epoch. Leaving the loop with ``break``
+    counts the epoch left as finished: a later loop starts with the next one
+    (as AdaptDL's does); a loop left by a resize goes on in the same epoch.
 
     >>> import hvd_adapt
     >>> hvd_adapt.init()
@@ -53,11 +75,15 @@ def remaining_epochs_until(epoch, checkpoint=None):
     if state is None:
         raise RuntimeError("remaining_epochs_until needs an hvd_adapt.State: create one before the loop")
     counter = state.epochs
-    # Not reset in a finally: a loop left by a resize interrupt is entered
-    # again right away by the re-run training function.
-    counter.in_loop = True
+    # in_loop is not reset in a finally: a loop left by a resize interrupt is
+    # entered again right away by the re-run training function.
+    counter.enter()
     while counter.epoch < epoch:
-        yield counter.epoch
+        try:
+            yield counter.epoch
+        except GeneratorExit:
+            counter.leave_early()
+            raise
         counter.epoch += 1
         state.commit()
         if checkpoint is not None:

@@ -220,8 +220,14 @@ class State(TorchState):
         if env.rank() == 0:
             checkpoint.write_atomically(self._checkpoint_payload(), path)
 
-    def load_checkpoint(self, path):
+    def load_checkpoint(self, path, trusted=False):
         """Load ``path`` on rank 0 if it exists; returns whether the file exists.
+
+        The file is read with ``torch.load(weights_only=True)``: tensors,
+        numpy arrays and plain values (what the State itself writes) load;
+        a file holding other pickled objects is refused, since unpickling
+        them runs code. ``trusted=True`` loads any file: only for files you
+        wrote (a State carrying values of your own classes needs it).
 
         The other ranks receive the state at the next sync (``run`` syncs
         first), so on them it only reports whether ``path`` exists (the same
@@ -233,7 +239,7 @@ class State(TorchState):
             return False
         if env.rank() != 0:
             return True
-        payload = checkpoint.read(path, list(self._handlers) + list(self._saved_state))
+        payload = checkpoint.read(path, list(self._handlers) + list(self._saved_state), trusted)
         for name, entry in payload["handlers"].items():
             handler = self._handlers[name]
             try:

@@ -112,8 +112,12 @@ class GoodputFunction:
         The choice is over integer atomic batches within ``atomic_bsz_range``
         and, with ``accumulation``, integer accumulation steps, such that the
         global batch ``num_replicas * atomic_bsz * (accum_steps + 1)`` is at
-        most ``max_batch_size`` (default: the initial batch B0, split as
-        evenly as the replicas allow when they do not divide it). Scalars in,
+        most ``max_batch_size`` (default: the initial batch B0) and not below
+        B0 by more than rounding: the atomic batch is at least B0 split over
+        replicas and steps, rounded down (B0=128 on 3 replicas: 3 x 42). The
+        recipe was tuned at B0, and the efficiency model gives smaller
+        batches no credit, so going below it is never the better choice
+        the model could show. Scalars in,
         scalars out; arrays in, arrays out. Where no configuration fits the
         bounds, goodput is 0 and the smallest atomic batch is returned.
         """
@@ -139,16 +143,17 @@ class GoodputFunction:
         # its neighbours pins it, and the integers either side of every fine
         # point and both ends of the range are the candidates.
         top = np.minimum(hi, np.floor(max_batch_size / (replicas * (accum + 1)) + 1e-9))
-        coarse = np.geomspace(lo, np.maximum(top, lo)[..., 0], num=48, axis=-1)
+        least = np.maximum(lo, np.floor(self.init_batch_size / (replicas * (accum + 1)) + 1e-9))
+        top = np.maximum(top, least)  # where least > top nothing fits; valid says so below
+        coarse = np.geomspace(least[..., 0], top[..., 0], num=48, axis=-1)
         peak = np.argmax(self.evaluate(nodes, replicas, coarse, accum), axis=-1)[..., None]
         left = np.take_along_axis(coarse, np.maximum(peak - 1, 0), axis=-1)
         right = np.take_along_axis(coarse, np.minimum(peak + 1, coarse.shape[-1] - 1), axis=-1)
         fine = left + (right - left) * np.linspace(0.0, 1.0, 33)
-        atomic = np.concatenate([np.floor(fine), np.ceil(fine),
-                                 np.broadcast_to(float(lo), top.shape), top], axis=-1)
-        atomic = np.clip(atomic, lo, np.maximum(top, lo))
+        atomic = np.concatenate([np.floor(fine), np.ceil(fine), least, top], axis=-1)
+        atomic = np.clip(atomic, least, top)
         accum = np.broadcast_to(accum, atomic.shape)
-        valid = replicas * atomic * (accum + 1) <= max_batch_size
+        valid = (replicas * atomic * (accum + 1) <= max_batch_size) & (atomic <= hi)
         goodput = np.where(valid, self.evaluate(nodes, replicas, atomic, accum), 0.0)
 
         flat = goodput.reshape(len(goodput), -1)
@@ -170,7 +175,9 @@ class GoodputFunction:
         # reaches max_batch_size, are where the integer optimum lies; two on
         # either side of each absorb rounding to whole samples.
         most = np.floor(max_batch_size / (replicas * lo) + 1e-9) - 1
-        local = np.geomspace(lo, np.maximum(max_batch_size / replicas, lo)[..., 0], num=256, axis=-1)
+        least = np.maximum(lo, np.floor(self.init_batch_size / replicas + 1e-9))
+        local = np.geomspace(least[..., 0], np.maximum(max_batch_size / replicas, least)[..., 0],
+                             num=256, axis=-1)
         steps = np.ceil(local / hi - 1e-9) - 1
         relaxed = self.evaluate(nodes, replicas, local / (steps + 1), steps)
         peak = np.take_along_axis(steps, np.argmax(relaxed, axis=-1)[..., None], axis=-1)
