@@ -115,13 +115,18 @@ def report(workload, runs):
     for target in workload.targets:
         times = {n: [time_to(c, workload, target) for c in runs[n]] for n in names}
         medians = {n: float(np.median(times[n])) for n in names}
+        cells = [f"{medians[n]:7.1f} [{min(times[n]):5.1f}-{max(times[n]):5.1f}]" for n in names]
         fixed = [medians[n] for n in names if n != "adaptive"]
+        if not fixed or "adaptive" not in medians:
+            print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells))
+            continue
         ratio_best = medians["adaptive"] / min(fixed)
         ratio_median = medians["adaptive"] / float(np.median(fixed))
         ratios[target] = (ratio_best, ratio_median)
-        cells = [f"{medians[n]:7.1f} [{min(times[n]):5.1f}-{max(times[n]):5.1f}]" for n in names]
         print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells)
               + f" {ratio_best:>14.2f} {ratio_median:>16.2f}")
+    if not ratios:
+        return ratios
     worst = max(r[0] for r in ratios.values())
     final_best, final_median = ratios[workload.targets[-1]]
     print(f"worst_adaptive_vs_best_fixed={worst:.3f} final_adaptive_vs_best_fixed={final_best:.3f}"
@@ -178,6 +183,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None,
                         help="JSON of every curve (with --run-one: of that run's curve); the PNG "
                              "goes next to it (default: time_to_accuracy_<workload>_<procs>p.json)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated run names to make, e.g. 'adaptive' or 'fixed 32' "
+                             "(no ratios without both kinds)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one is not None:
@@ -205,6 +213,12 @@ def main(argv=None):
     base["overrides"] = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}
     configs = {f"fixed {b}": dict(base, batch=b, adaptive=False) for b in workload.batches}
     configs["adaptive"] = dict(base, batch=min(workload.batches), adaptive=True)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",")]
+        unknown = [name for name in wanted if name not in configs]
+        if unknown:
+            parser.error(f"--only: unknown run(s) {unknown}; runs are {list(configs)}")
+        configs = {name: configs[name] for name in wanted}
     runs = {name: [] for name in configs}
     started = time.time()
     # Seeds outermost, so a slow drift of the machine touches every configuration alike.

@@ -359,3 +359,39 @@ def test_plain_values_are_snapshotted_so_in_place_changes_do_not_survive_a_resto
     state.history.append(4)          # a change after the restore is not the snapshot's
     state.restore()
     assert state.history == [1, 2]
+
+
+def test_background_checkpoint_write_returns_before_the_file_is_on_disk(tmp_path, monkeypatch):
+    import threading
+    from hvd_adapt.elastic import checkpoint as checkpoint_file
+    released = threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # a slow shared file system
+        released.wait(timeout=30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint_file.os, "fsync", slow_fsync)
+    path = str(tmp_path / "job.pt")
+    state, model, opt, loader, stats = make_job()
+    train_steps(state, model, opt, loader, stats, 2)
+    state.commit()
+    state.save_checkpoint(path, background=True)
+    assert not os.path.exists(path)
+    committed = model.weight.detach().clone()
+    train_steps(state, model, opt, loader, stats, 2)   # training goes on meanwhile
+    state.commit()                                      # and reuses the commit's buffers
+    released.set()
+    state.wait_for_checkpoint()
+    fresh, model2 = make_job()[:2]
+    assert fresh.load_checkpoint(path)
+    assert torch.equal(model2.weight, committed), "the file holds the commit it was asked for"
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
+    (tmp_path / "file").write_text("a file where a directory should be")
+    state = make_job()[0]
+    state.save_checkpoint(str(tmp_path / "file" / "job.pt"), background=True)
+    with pytest.raises(CheckpointError, match="job.pt failed"):
+        state.wait_for_checkpoint()
+    state.wait_for_checkpoint()  # reported once

@@ -2,36 +2,88 @@
 
 The payload is built and applied by :class:`hvd_adapt.State`; this module
 only knows the file: a format tag, written to a temporary file beside the
-target, fsynced and renamed over it, so a job killed while writing leaves
-the previous checkpoint intact.
+target, fsynced and renamed over it (on a thread if asked), so a job killed
+while writing leaves the previous checkpoint intact.
 """
+import io
+import logging
 import os
 import pickle
+import threading
 
 import numpy as np
 import torch
 
 FORMAT = "hvd_adapt-checkpoint-v2"
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read or does not fit this job's State."""
 
 
-def write_atomically(payload, path):
-    """Write ``payload`` (with the format tag added) to ``path``: temporary file, fsync, rename."""
+def _write_bytes(data, path):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(dict(payload, format=FORMAT), f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+class CheckpointWriter:
+    """Writes checkpoint files atomically (temporary file, fsync, rename), optionally in
+    the background, one at a time.
+
+    The payload is serialised to memory before ``write`` returns, so the
+    tensors it holds may change right after (a commit reuses its buffers);
+    only the file write and fsync, the slow part on a shared file system,
+    run on a thread. That thread is not a daemon: the interpreter waits for
+    it at exit, so a finished job never leaves a half-written file behind.
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+        self._path = None
+
+    def write(self, payload, path, background=False):
+        """Write ``payload`` (with the format tag added) to ``path``; wait for the previous
+        write first (raising :class:`CheckpointError` if it failed)."""
+        self.wait()
+        buffer = io.BytesIO()
+        torch.save(dict(payload, format=FORMAT), buffer)
+        if not background:
+            _write_bytes(buffer.getbuffer(), path)
+            return
+        self._path = path
+        self._thread = threading.Thread(target=self._write_in_background, args=(buffer, path),
+                                        name="hvd_adapt-checkpoint")
+        self._thread.start()
+
+    def _write_in_background(self, buffer, path):
+        try:
+            _write_bytes(buffer.getbuffer(), path)
+        except Exception as e:  # reported by wait(), the next write, and the log now
+            log.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
+            self._error = e
+
+    def wait(self):
+        """Block until a background write is on disk; CheckpointError if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"writing checkpoint {self._path} failed: "
+                                  f"{type(error).__name__}: {error}") from error
 
 
 def _numpy_globals():

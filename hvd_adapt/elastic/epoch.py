@@ -55,8 +55,9 @@ def remaining_epochs_until(epoch, checkpoint=None):
     The current epoch is taken from the state, so a job that restarts in
     epoch 7 of 30 yields 7..29. Between two epochs the loop commits the
     state with the counter already moved on (a collective, and a point where
-    resizes take effect), and writes it to ``checkpoint`` if given, so a
-    restart never repeats a finished epoch. Leaving the loop with ``break``
+    resizes take effect), and writes it to ``checkpoint`` if given (in the
+    background while the next epoch trains), so a restart never repeats a
+    finished epoch. Leaving the loop with ``break``
     counts the epoch left as finished: a later loop starts with the next one
     (as AdaptDL's does); a loop left by a resize goes on in the same epoch.
 
@@ -87,8 +88,11 @@ def remaining_epochs_until(epoch, checkpoint=None):
         counter.epoch += 1
         state.commit()
         if checkpoint is not None:
-            state.save_checkpoint(checkpoint)
+            state.save_checkpoint(checkpoint, background=True)
     counter.in_loop = False
+    if checkpoint is not None:
+        # What follows the loop may read the file (or the job may end here).
+        state.wait_for_checkpoint()
 
 
 def current_epoch():

@@ -84,6 +84,7 @@ class State(TorchState):
         self._accumulators = [v for v in values if isinstance(v, Accumulator)]
         self._resync_pending = False
         self._drain = None
+        self._checkpoint_writer = checkpoint.CheckpointWriter()
         self.register_reset_callbacks([self._after_reset])
         CONTEXT.state = self
         if env.initialized():
@@ -210,15 +211,24 @@ class State(TorchState):
                 handlers[name] = {"value": handler.value}
         return {"handlers": handlers, "objects": dict(self._saved_state)}
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, background=False):
         """Write the state of the last commit to ``path`` on rank 0 (others do nothing).
 
         Call it after ``commit()``. The file is written beside ``path`` and
         renamed over it, so a job killed while writing leaves the old
-        checkpoint intact.
+        checkpoint intact. With ``background=True`` it returns once the
+        state is serialised to memory (one copy of it) and the file is
+        written and fsynced on a thread while training goes on; the next
+        save, :meth:`wait_for_checkpoint` and the interpreter's exit wait for
+        it, and a failed write raises :class:`hvd_adapt.CheckpointError`
+        there (and is logged at once).
         """
         if env.rank() == 0:
-            checkpoint.write_atomically(self._checkpoint_payload(), path)
+            self._checkpoint_writer.write(self._checkpoint_payload(), path, background)
+
+    def wait_for_checkpoint(self):
+        """Block until a background checkpoint write is on disk (rank 0; a no-op elsewhere)."""
+        self._checkpoint_writer.wait()
 
     def load_checkpoint(self, path, trusted=False):
         """Load ``path`` on rank 0 if it exists; returns whether the file exists.
@@ -235,6 +245,7 @@ class State(TorchState):
         :class:`hvd_adapt.CheckpointError`, naming the file, if it is corrupt
         or was written for a State with other contents.
         """
+        self._checkpoint_writer.wait()
         if not os.path.exists(path):
             return False
         if env.rank() != 0:
