@@ -138,8 +138,9 @@ class _TensorSlot:
         self.shape, self.dtype, self.device = shape, dtype, device
 
 
-def barrier(name="hvd_adapt.barrier"):
-    """Collective: return once every replica has called it, sleeping while it waits.
+def barrier(name="hvd_adapt.barrier", contribution=0):
+    """Collective: return once every replica has called it, sleeping while it waits;
+    returns the sum of every replica's ``contribution`` (an int).
 
     Horovod's blocking operations wait in a loop of ``std::this_thread::yield``
     that keeps a core busy. Where a replica may wait long for another (rank 0
@@ -149,13 +150,14 @@ def barrier(name="hvd_adapt.barrier"):
     grows to 10 ms, and the collective after it starts with everyone present.
     """
     if hvd.size() == 1:
-        return
-    handle = hvd.allreduce_async(torch.zeros(1), op=hvd.Sum, name=name)
+        return contribution
+    handle = hvd.allreduce_async(torch.tensor([contribution], dtype=torch.int64), op=hvd.Sum,
+                                 name=name)
     delay = 1e-4
     while not hvd.poll(handle):
         time.sleep(delay)
         delay = min(2 * delay, 0.01)
-    hvd.synchronize(handle)
+    return int(hvd.synchronize(handle)[0])
 
 
 def _check_number(value, key=None):

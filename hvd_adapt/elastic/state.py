@@ -169,11 +169,27 @@ class State(TorchState):
     def sync(self):
         """Collective: every value becomes rank 0's (parameters bitwise, optimizer state without
         a step), then every loader decides its batch size again."""
-        # A new worker arrives here only after its whole start-up; the others
-        # wait for it without spinning, so they do not slow that start-up down.
-        collective.barrier()
-        super().sync()
-        self._detach_plain_values()
+        self._sync_world(full=True)
+
+    def _sync_world(self, full):
+        # Every rank of a new world passes here once: through sync() where
+        # Horovod syncs (a start, a joining worker, after a failure), through
+        # resync_after_reset() where Horovod let a survivor skip its sync
+        # (hosts only removed). A removal and an addition close together
+        # give both at once: survivors that saw only the removal and a new
+        # worker that must be synced in full. They first agree, in one
+        # collective, whether anyone needs the full sync, so all of them
+        # run the same collectives after it (two paths hung before).
+        # A new worker arrives only after its whole start-up; the others
+        # wait for it without spinning, so they do not slow it down.
+        wanted = collective.barrier(name="hvd_adapt.sync", contribution=int(full))
+        if wanted:
+            super().sync()
+            self._detach_plain_values()
+        else:
+            for handler in self._handlers.values():
+                if getattr(handler, "light", False):
+                    handler.sync()
         self._resync_pending = False
 
     def _after_reset(self):
@@ -191,13 +207,10 @@ class State(TorchState):
 
     def resync_after_reset(self):
         """Collective, called by ``run`` at each attempt: after a reset that Horovod did not
-        sync, make the light values (positions, totals, choices) rank 0's."""
-        if not self._resync_pending:
-            return
-        for handler in self._handlers.values():
-            if getattr(handler, "light", False):
-                handler.sync()
-        self._resync_pending = False
+        sync, make the light values (positions, totals, choices) rank 0's, or all values
+        where a worker that joined the new world needs a full sync."""
+        if self._resync_pending:
+            self._sync_world(full=False)
 
     # -- whole-job checkpoints -------------------------------------------------------
     def _checkpoint_payload(self):

@@ -34,3 +34,15 @@ def test_a_script_that_forgets_to_sync_is_synced_at_its_first_step_with_a_warnin
     assert job.reports[0]["params"] == job.reports[1]["params"]
     assert "first optimizer step of 2 replicas came before any sync" in job.output
     assert "@hvd_adapt.run" in job.output
+
+
+def test_a_survivor_that_skips_the_sync_and_a_joining_worker_agree_on_a_full_sync():
+    # Before, the survivor broadcast its light values while the new worker
+    # waited in the full sync's barrier: two ranks in two collectives, forever.
+    job = run_ranks("sync_recipes.py", np=2, timeout=90,
+                    args=["--optimizer", "adamw", "--root-trained", 3, "--wrapped",
+                          "--survivor-skips-sync"]).check()
+    root = job.reports[0]
+    for rank, rep in job.reports.items():
+        assert rep["params"] == root["before"]["params"], rank
+        assert rep["opt"] == root["before"]["opt"], rank

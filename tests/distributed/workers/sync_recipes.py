@@ -33,6 +33,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--optimizer", choices=["sgd", "adamw"], required=True)
 parser.add_argument("--root-trained", type=int, default=0)
 parser.add_argument("--wrapped", action="store_true", help="hvd_adapt.DistributedOptimizer")
+parser.add_argument("--survivor-skips-sync", action="store_true")
 args = parser.parse_args()
 
 hvd_adapt.init()
@@ -51,10 +52,17 @@ if rank == 0:
         model(torch.randn(4, 8, device=device)).pow(2).sum().backward()
         inner.step()
 opt = hvd_adapt.DistributedOptimizer(inner) if args.wrapped else inner
-state = hvd_adapt.State(model=model, optimizer=opt)
+# A loader and an accumulator: light values, synced on every path.
+loader = hvd_adapt.AdaptiveDataLoader(list(range(40)), batch_size=4)
+stats = hvd_adapt.Accumulator()
+state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats)
 before = {"params": digest(model.parameters()), "opt": digest(optimizer_tensors(inner)),
           "opt_lr": inner.param_groups[0]["lr"]}
-state.sync()
+if args.survivor_skips_sync and rank == 0:
+    state.on_reset()              # what hvd.elastic.run does after the interrupt
+    state.resync_after_reset()    # what hvd_adapt.run does when Horovod skipped its sync
+else:
+    state.sync()
 report({"rank": rank, "before": before, "params": digest(model.parameters()),
         "opt": digest(optimizer_tensors(inner)), "opt_count": len(optimizer_tensors(inner))},
        rank)
