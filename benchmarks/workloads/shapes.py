@@ -51,7 +51,7 @@ def draw(labels, rng):
 def make_data(seed=0, size=1.0):
     rng = np.random.default_rng(seed)
     sets = []
-    for count in (max(KINDS, int(40000 * size)), 2000):
+    for count in (max(KINDS, int(40000 * size)), 1000):
         labels = rng.integers(0, KINDS, count)
         images = np.concatenate([draw(labels[i:i + 4096], rng) for i in range(0, count, 4096)])
         sets.append(TensorDataset(torch.from_numpy(images), torch.from_numpy(labels).long()))
