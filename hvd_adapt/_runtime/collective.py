@@ -55,6 +55,22 @@ def broadcast_object(obj, root_rank=0, name=None):
     return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvd_adapt.bcast")
 
 
+def start_broadcast_flag(flag, name, root_rank=0):
+    """Start broadcasting ``root_rank``'s bool; :func:`flag_of` waits for it. None in a
+    world of one, where the flag is the answer."""
+    if hvd.size() == 1:
+        return None
+    return hvd.broadcast_async(torch.tensor([int(bool(flag))], dtype=torch.int64),
+                               root_rank=root_rank, name=name)
+
+
+def flag_of(handle, flag=None):
+    """The bool a :func:`start_broadcast_flag` handle carries (``flag`` where it is None)."""
+    if handle is None:
+        return bool(flag)
+    return bool(hvd.synchronize(handle)[0])
+
+
 def allgather_object(obj, name=None):
     """Return the list of every replica's ``obj``, indexed by rank (pickled).
 

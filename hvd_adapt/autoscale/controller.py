@@ -52,6 +52,7 @@ class Controller:
         self._steps_since_decision = 0
         self._decisions = 0
         self._epoch_progress_start = 0.0
+        self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
 
     def configure(self, policy, epochs_by_progress=False):
         """Autoscale with ``policy``; decide again before the next batch."""
@@ -213,12 +214,44 @@ class Controller:
 
     def start_epoch(self):
         """Progress of a new epoch counts from here (for epochs by progress)."""
+        self._settle_epoch_verdict()
         self._epoch_progress_start = self.progress
 
     def epoch_progress_made(self, num_samples):
-        """True once this epoch has made one B0-pass over ``num_samples`` of progress."""
+        """True once this epoch has made one B0-pass over ``num_samples`` of progress
+        (this rank's own reckoning; :meth:`epoch_ends` is what every rank acts on)."""
         needed = num_samples / self.init_batch_size
         return self.progress - self._epoch_progress_start >= needed - 1e-9
+
+    def epoch_ends(self, num_samples, pass_ended):
+        """Collective: whether an epoch by progress ends after this optimizer step, as rank 0
+        reckons it, so every rank ends it at the same step.
+
+        Each rank's progress comes from the same allreduced statistics, but
+        a last-bit difference (another CPU's libm in one replica) would end
+        the pass on one rank only and hang the job. Rank 0's verdict of each
+        step travels in the background and is acted on at the next step (an
+        epoch by progress lasts one step longer); at the end of a pass, where
+        the loader must know at once whether to start another, it is waited
+        for.
+        """
+        verdict = self._settle_epoch_verdict()
+        if verdict:
+            return True
+        ours = self.epoch_progress_made(num_samples)
+        handle = collective.start_broadcast_flag(ours, name="hvd_adapt.epoch_end")
+        if pass_ended or handle is None:
+            return collective.flag_of(handle, ours)
+        self._epoch_verdict = handle
+        return False
+
+    def _settle_epoch_verdict(self):
+        handle, self._epoch_verdict = self._epoch_verdict, None
+        return handle is not None and collective.flag_of(handle)
+
+    def forget_epoch_verdict(self):
+        """Drop a verdict in flight (its world is gone after a reset or restore)."""
+        self._epoch_verdict = None
 
     # -- reporting and state -----------------------------------------------------------
     def metrics(self):
@@ -256,6 +289,7 @@ class Controller:
         # Every rank counts decisions alike, so all of them decide at the same
         # steps; checkpoints from before the early schedule resume past it.
         self._decisions = state.get("decisions", 64)
+        self._epoch_verdict = None
         self._micro = 0
         self._needs_decision = True
 

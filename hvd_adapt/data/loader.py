@@ -185,7 +185,8 @@ class AdaptiveDataLoader(Participant):
         try:
             while True:
                 yield from self._iterate_pass(by_progress)
-                if not by_progress or controller.epoch_progress_made(self.sampler.num_samples):
+                if not by_progress or controller.epoch_ends(self.sampler.num_samples,
+                                                            pass_ended=True):
                     break
                 self.sampler.next_pass()
         finally:
@@ -232,7 +233,8 @@ class AdaptiveDataLoader(Participant):
                     continue
                 # A decision due after a pass's last step is made before the next pass's first.
                 controller.optim_step_done()
-                if by_progress and controller.epoch_progress_made(self.sampler.num_samples):
+                if by_progress and controller.epoch_ends(self.sampler.num_samples,
+                                                         pass_ended=False):
                     self.sampler.finish_pass()
                     return
                 if final:
@@ -267,6 +269,7 @@ class AdaptiveDataLoader(Participant):
 
     def on_reset(self):
         self.controller.request_decision()
+        self.controller.forget_epoch_verdict()
         self._finished_pass_here = False
 
     def at_commit_point(self):

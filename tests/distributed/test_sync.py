@@ -46,3 +46,4 @@ def test_a_survivor_that_skips_the_sync_and_a_joining_worker_agree_on_a_full_syn
     for rank, rep in job.reports.items():
         assert rep["params"] == root["before"]["params"], rank
         assert rep["opt"] == root["before"]["opt"], rank
+
