@@ -61,5 +61,5 @@ def make_optimizer(params, lr):
 WORKLOAD = Workload(
     name="digits", make_data=make_data, make_model=make_model, make_optimizer=make_optimizer,
     loss=classification_loss, metric="accuracy", higher_is_better=True,
-    targets=(0.90, 0.93, 0.95), base_batch=32, base_lr=0.01, lr_scaling="linear",
+    targets=(0.90, 0.93, 0.95), base_batch=32, base_lr=0.03, lr_scaling="linear",
     batches=(32, 64, 128, 512), max_local_bsz=512, read_every=4096)
