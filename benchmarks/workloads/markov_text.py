@@ -95,5 +95,5 @@ def entropy_rate(seed=1234):
 WORKLOAD = Workload(
     name="markov_text", make_data=make_data, make_model=make_model, make_optimizer=make_optimizer,
     loss=lm_loss, metric="val_loss", higher_is_better=False,
-    targets=(2.5, 1.8, 1.4), base_batch=16, base_lr=5e-3, lr_scaling="sqrt",
+    targets=(3.0, 2.0, 1.75), base_batch=16, base_lr=5e-3, lr_scaling="sqrt",
     batches=(16, 32, 64, 256), max_local_bsz=256, read_every=1024)
