@@ -155,6 +155,12 @@ def plot(workload, runs, path):
                             label="replicas" if i == 0 else None)
     for target in workload.targets:
         top.axhline(target, color="grey", lw=0.5)
+    # Runs that never get there would squeeze the others into a corner.
+    finished = [time_to(curve, workload, workload.targets[-1])
+                for curves in runs.values() for curve in curves]
+    finished = [t for t in finished if np.isfinite(t)]
+    if finished:
+        top.set_xlim(0, 1.5 * max(finished))
     top.set_ylabel(workload.metric)
     top.set_title(f"{workload.name}: {workload.metric} against training time")
     top.legend(fontsize=8)
@@ -186,6 +192,8 @@ def main(argv=None):
     parser.add_argument("--only", default=None,
                         help="comma-separated run names to make, e.g. 'adaptive' or 'fixed 32' "
                              "(no ratios without both kinds)")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="print the table and draw the plot of an earlier invocation's --out")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one is not None:
@@ -194,6 +202,13 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(curve, f)
         return None
+    if args.from_json is not None:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        workload = resolve({"workload": saved["workload"], "overrides": saved.get("overrides", {})})
+        report(workload, saved["runs"])
+        plot(workload, saved["runs"], os.path.splitext(args.from_json)[0] + ".png")
+        return saved["runs"]
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
     if not 0 < args.size <= 1:
@@ -232,7 +247,8 @@ def main(argv=None):
     out = args.out or f"time_to_accuracy_{args.workload}_{args.procs}p.json"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"workload": args.workload, "procs": args.procs, "runs": runs}, f)
+        json.dump({"workload": args.workload, "procs": args.procs, "runs": runs,
+                   "overrides": base["overrides"]}, f)
     try:
         plot(workload, runs, os.path.splitext(out)[0] + ".png")
     except ImportError:

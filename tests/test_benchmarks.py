@@ -44,6 +44,10 @@ def test_time_to_accuracy(tmp_path, workload, batches, targets):
     assert re.search(r"^worst_adaptive_vs_best_fixed=\S+ final_adaptive_vs_best_fixed=\S+ "
                      r"final_adaptive_vs_median_fixed=\S+$", out, re.M), out
     assert (tmp_path / "curves.json").exists() and (tmp_path / "curves.png").exists()
+    (tmp_path / "curves.png").unlink()
+    again = bench("time_to_accuracy.py", "--from-json", str(tmp_path / "curves.json"))
+    assert again.split("\n", 1)[1].strip() in out
+    assert (tmp_path / "curves.png").exists()
 
 
 @pytest.mark.distributed
