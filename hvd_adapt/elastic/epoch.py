@@ -31,22 +31,22 @@ class EpochCounter(Participant):
         self._left_early = False
 
     def leave_early(self):
-        """The loop was left inside an epoch: count that epoch as done, as a ``break`` means."""
-        self.epoch += 1
+        """The loop was left inside an epoch (a ``break``, or an exception on its way out)."""
         self._left_early = True
 
     def enter(self):
-        """A loop starts: an earlier loop's early exit is settled."""
+        """A loop starts. After a ``break`` it starts with the next epoch, as AdaptDL's does;
+        the increment waits until here because an exception leaves a loop the same way
+        (a drain's exit reports the epoch it stopped in, not the next)."""
         self.in_loop = True
-        self._left_early = False
+        if self._left_early:
+            self.epoch += 1
+            self._left_early = False
 
     def on_reset(self):
-        # A resize interrupt leaves the loop the same way a break does (the
-        # generator is closed as the exception passes), but the re-run
+        # A resize interrupt leaves the loop like a break, but the re-run
         # training function must go on in the epoch it was in.
-        if self._left_early:
-            self.epoch -= 1
-            self._left_early = False
+        self._left_early = False
 
 
 def remaining_epochs_until(epoch, checkpoint=None):

@@ -45,3 +45,16 @@ def test_drain_keeps_its_checkpoint_and_resumes_there(launcher, tmp_path):
     for rank, rep in second.reports.items():
         resumed = rep["resumed"]
         assert resumed == dict(drained[0], rank=rank), (rank, resumed, drained[0])
+
+
+@pytest.mark.parametrize("first_np,second_np", [(2, 1), (1, 3)])
+def test_a_checkpoint_written_at_one_world_size_resumes_at_another(first_np, second_np, tmp_path):
+    path = str(tmp_path / "job.pt")
+    args = ["--checkpoint", path, "--slow-save", 0.0]
+    first = run_ranks("drain_job.py", np=first_np, args=args + ["--term-step", 5])
+    assert first.returncode != 0 and os.path.exists(path), first.output[-3000:]
+    drained = first.reports[0]["drained"]
+    second = run_ranks("drain_job.py", np=second_np, args=args).check()
+    assert sorted(second.reports) == list(range(second_np))
+    for rank, rep in second.reports.items():
+        assert rep["resumed"] == dict(drained, rank=rank), (rank, rep["resumed"], drained)

@@ -1,6 +1,6 @@
 """A job that one rank asks to stop with SIGTERM; rank 0's checkpoint write is slow.
 
-``--term-step N``: rank 1 sends itself SIGTERM after step N. Every rank
+``--term-step N``: the last rank sends itself SIGTERM after step N. Every rank
 reports what it holds when the drain exits it (``drained``), or, on a run
 that resumed from the checkpoint, what it holds after the first sync
 (``resumed``).
@@ -86,7 +86,8 @@ def train(state):
             opt.step()
             state.stats["n"] += len(x) - loader.num_padded
             state.steps += 1
-            if state.steps == args.term_step and hvd_adapt.env.rank() == 1:
+            if state.steps == args.term_step and \
+                    hvd_adapt.env.rank() == hvd_adapt.env.size() - 1:
                 os.kill(os.getpid(), signal.SIGTERM)
             state.commit()
 
