@@ -26,8 +26,7 @@ class Indices(Dataset):
 class GrowingPolicy(AutoscalePolicy):
     """Keeps the default split before the first batch, then doubles the local batch."""
 
-    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced,
-               batch_cap=None):
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         if forced:
             return self.default(num_replicas), None
         return (2 * current[0], current[1]), (1.5, 1.8)

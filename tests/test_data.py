@@ -260,11 +260,11 @@ def test_epochs_by_progress_needs_an_optimizer():
         loader.autoscale_batch_size(8, epochs_by_progress=1)
 
 
-def test_decisions_come_early_then_every_decide_every_steps_across_short_epochs():
+def test_decisions_come_every_decide_every_steps_across_short_epochs():
     # 8 steps per pass and decide_every=10: a per-pass step count never
-    # reaches 10, so only a count kept across epochs decides at steps 22, 32.
-    # Before that decisions come after 4 and 8 more steps, the batch at most
-    # doubling each time. Noise-only gradients make the largest batch best.
+    # reaches 10, so only a count kept across epochs (each pass's last step
+    # included) decides at steps 10, 20, 30. Noise-only gradients make the
+    # largest batch the best choice.
     from torch.utils.data import TensorDataset
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(50))
@@ -283,11 +283,9 @@ def test_decisions_come_early_then_every_decide_every_steps_across_short_epochs(
             (x @ w).mean().backward()
             opt.step()
             steps += 1
-    # Decisions at steps 4, 12 (cautious: x2 each), then 22, 32 (free).
-    assert [step for step, _ in changes][:2] == [4, 12], changes
-    assert [bsz for _, bsz in changes][:2] == [16, 32], changes
-    assert all(step in (4, 12, 22, 32) for step, _ in changes), changes
-    assert changes[-1][1] == 128, changes
+    assert changes and changes[0][0] == 10, changes
+    assert all(step in (10, 20, 30) for step, _ in changes), changes
+    assert changes[-1][1] > 8, changes
 
 
 def test_autoscaling_rank_loads_scipy_before_training():
@@ -308,8 +306,7 @@ def test_autoscaling_rank_loads_scipy_before_training():
 class SwitchingPolicy(AutoscalePolicy):
     """Decides (2, 0) before the first batch and (5, 0) at every later decision."""
 
-    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced,
-               batch_cap=None):
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         return ((2, 0) if forced else (5, 0)), None
 
 

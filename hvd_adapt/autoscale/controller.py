@@ -25,12 +25,6 @@ from .profile import StepProfile
 
 log = logging.getLogger(__name__)
 
-# The first decision after a start waits this many optimizer steps, each
-# later one twice as many as the one before, up to ``decide_every``: the
-# choice follows the noise scale from the first steps, when it changes
-# fastest, instead of training decide_every steps at B0.
-FIRST_DECISION_AFTER = 4
-
 
 class Controller:
     """Current batch-size plan, step-time profile and decision protocol of one training loader.
@@ -50,7 +44,6 @@ class Controller:
         self._micro = 0
         self._needs_decision = True
         self._steps_since_decision = 0
-        self._decisions = 0
         self._epoch_progress_start = 0.0
         self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
 
@@ -133,15 +126,10 @@ class Controller:
         """True when the next batch must wait for a decision."""
         return self._needs_decision
 
-    def _decision_interval(self):
-        early = FIRST_DECISION_AFTER * 2 ** max(self._decisions - 1, 0)
-        return min(early, self.policy.decide_every)
-
     def optim_step_done(self):
-        """Count one optimizer step towards the next decision (``decide_every``, sooner
-        while training starts)."""
+        """Count one optimizer step towards ``decide_every``."""
         self._steps_since_decision += 1
-        if self.policy is not None and self._steps_since_decision >= self._decision_interval():
+        if self.policy is not None and self._steps_since_decision >= self.policy.decide_every:
             self._needs_decision = True
 
     def decide(self):
@@ -150,20 +138,13 @@ class Controller:
         self._steps_since_decision = 0
         if self.policy is None:
             return
-        # While decisions come early, each estimate rests on few samples:
-        # the batch may at most double per decision until they come every
-        # decide_every steps.
-        cautious = self._decision_interval() < self.policy.decide_every
-        self._decisions += 1
         size = env.size()
         choice = None
         if env.rank() == 0:
             before = self._current()
             forced = self._choice is None or self._choice[2] != size
-            cap = 2 * size * before[0] * (before[1] + 1) if cautious else None
             choice, prediction = self.policy.decide(self.profile, self.grad_params(),
-                                                    env.num_nodes(), size, before, forced,
-                                                    batch_cap=cap)
+                                                    env.num_nodes(), size, before, forced)
             if tuple(choice) != tuple(before):
                 self._log_decision(before, choice, prediction, size)
         if size > 1:
@@ -279,16 +260,12 @@ class Controller:
 
     def state_dict(self):
         return {"profile": self.profile.state_dict(), "choice": self._choice,
-                "epoch_progress_start": self._epoch_progress_start,
-                "decisions": self._decisions}
+                "epoch_progress_start": self._epoch_progress_start}
 
     def load_state_dict(self, state):
         self.profile.load_state_dict(state["profile"])
         self._choice = None if state["choice"] is None else tuple(state["choice"])
         self._epoch_progress_start = state["epoch_progress_start"]
-        # Every rank counts decisions alike, so all of them decide at the same
-        # steps; checkpoints from before the early schedule resume past it.
-        self._decisions = state.get("decisions", 64)
         self._epoch_verdict = None
         self._micro = 0
         self._needs_decision = True

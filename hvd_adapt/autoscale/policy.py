@@ -77,8 +77,7 @@ class AutoscalePolicy:
             return max(lo, atomic), accum
         return min(max(local, lo), hi), 0
 
-    def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced,
-               batch_cap=None):
+    def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         """``(atomic_bsz, accum_steps)`` for the next steps.
 
         ``profile`` is a :class:`~hvd_adapt.autoscale.profile.StepProfile`,
@@ -87,13 +86,10 @@ class AutoscalePolicy:
         is kept unless beaten by more than ``hysteresis``, or ``forced`` (after
         a resize). The throughput model is fitted to every world's steps, or to
         this world's alone once it has measured two batch sizes of its own.
-        ``batch_cap``, where given, bounds the global batch below ``max_batch_size``.
         """
-        return self.decide(profile, grad_params, num_nodes, num_replicas, current, forced,
-                           batch_cap)[0]
+        return self.decide(profile, grad_params, num_nodes, num_replicas, current, forced)[0]
 
-    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced,
-               batch_cap=None):
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         """:meth:`choose`, and why: ``(choice, (speedup, gain))``, where speedup is the
         predicted goodput of the choice over that of ``current`` and gain the
         AdaScale gain of its batch; the second item is None when nothing was fitted."""
@@ -109,8 +105,7 @@ class AutoscalePolicy:
         perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
                                data["accum_step_time"], data["optim_step_time"])
         fn = GoodputFunction(perf, grad_params, self.init_batch_size)
-        cap = self.max_batch_size if batch_cap is None else min(batch_cap, self.max_batch_size)
-        goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, cap,
+        goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, self.max_batch_size,
                                              self.local_bsz_bounds, self.gradient_accumulation)
         if goodput <= 0:
             return self.default(num_replicas), None
