@@ -88,8 +88,10 @@ def launch(config, procs, timeout):
         command = [sys.executable, os.path.abspath(__file__), "--run-one", json.dumps(config),
                    "--out", out]
         if procs > 1:
-            command = ["horovodrun", "-np", str(procs), "-H", f"localhost:{procs}",
-                       "--gloo"] + command
+            # The horovodrun of this interpreter's environment, on PATH or not.
+            horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+            command = [horovodrun, "-np", str(procs), "-H", f"localhost:{procs}",
+                       "--gloo", "--network-interface", "lo"] + command
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // procs)))
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
