@@ -68,7 +68,12 @@ def train_one(config):
             value = workload.evaluate(model, val_set)
             curve.append((clock, samples, value, loader.current_batch_size,
                           loader.accumulation_steps, hvd_adapt.env.size()))
-            if workload.reached(value, final) or clock > config["max_seconds"]:
+            stop = workload.reached(value, final) or clock > config["max_seconds"]
+            if hvd_adapt.env.size() > 1:
+                # Each rank has its own clock: all stop when rank 0 does.
+                import horovod.torch as hvd
+                stop = bool(hvd.broadcast(torch.tensor([int(stop)]), 0, name="tta.stop")[0])
+            if stop:
                 return curve if hvd_adapt.env.rank() == 0 else None
             started = time.perf_counter()
         clock += time.perf_counter() - started
