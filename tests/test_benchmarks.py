@@ -51,6 +51,17 @@ def test_time_to_accuracy(tmp_path, workload, batches, targets):
 
 
 @pytest.mark.distributed
+def test_time_to_accuracy_at_two_processes(tmp_path):
+    # Unreachable targets: every run stops on the clock, which each rank reads
+    # for itself; they must stop together.
+    out = bench("time_to_accuracy.py", "--workload", "digits", "--procs", "2", "--seeds", "1",
+                "--batches", "32,64", "--targets", "0.99,0.995,0.999", "--size", "0.05",
+                "--max-seconds", "3", "--read-every", "256", "--out", str(tmp_path / "c.json"),
+                timeout=240)
+    assert len(re.findall(r"^ +0\.99\d* +inf \[", out, re.M)) == 3, out
+
+
+@pytest.mark.distributed
 @pytest.mark.elastic
 def test_resize_latency():
     out = bench("resize_latency.py", "--schedule", "1 2", "--samples", "256", timeout=180)
