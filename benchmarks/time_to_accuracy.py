@@ -31,6 +31,7 @@ import workloads  # noqa: E402
 def train_one(config):
     """Train one run of ``config``; rank 0 returns its curve: rows of (seconds, samples,
     metric, global batch, accumulation steps, replicas)."""
+    import horovod.torch as hvd
     import torch
     import hvd_adapt
     hvd_adapt.init()
@@ -71,7 +72,6 @@ def train_one(config):
             stop = workload.reached(value, final) or clock > config["max_seconds"]
             if hvd_adapt.env.size() > 1:
                 # Each rank has its own clock: all stop when rank 0 does.
-                import horovod.torch as hvd
                 stop = bool(hvd.broadcast(torch.tensor([int(stop)]), 0, name="tta.stop")[0])
             if stop:
                 return curve if hvd_adapt.env.rank() == 0 else None

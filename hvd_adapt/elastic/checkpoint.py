@@ -23,13 +23,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read or does not fit this job's State."""
 
 
-def _write_bytes(data, path):
+def _write_atomically(path, write):
+    # write(f) fills the temporary file; fsync and rename make it the checkpoint.
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -58,11 +59,13 @@ class CheckpointWriter:
         """Write ``payload`` (with the format tag added) to ``path``; wait for the previous
         write first (raising :class:`CheckpointError` if it failed)."""
         self.wait()
-        buffer = io.BytesIO()
-        torch.save(dict(payload, format=FORMAT), buffer)
+        payload = dict(payload, format=FORMAT)
         if not background:
-            _write_bytes(buffer.getbuffer(), path)
+            # Straight into the file: no second copy of the state in memory.
+            _write_atomically(path, lambda f: torch.save(payload, f))
             return
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
         self._path = path
         self._thread = threading.Thread(target=self._write_in_background, args=(buffer, path),
                                         name="hvd_adapt-checkpoint")
@@ -70,7 +73,7 @@ class CheckpointWriter:
 
     def _write_in_background(self, buffer, path):
         try:
-            _write_bytes(buffer.getbuffer(), path)
+            _write_atomically(path, lambda f: f.write(buffer.getbuffer()))
         except Exception as e:  # reported by wait(), the next write, and the log now
             log.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
             self._error = e
