@@ -216,15 +216,19 @@ def progress_job(features, epochs, batch_size=8, samples=64):
     # lo = 16 forces B = 16 = 2 x B0 from the first step.
     loader.autoscale_batch_size(64, local_bsz_bounds=(16, 16), epochs_by_progress=True)
     state = hvd_adapt.State(optimizer=opt, loader=loader)
-    seen = []
+    seen = []  # per epoch, the samples of each optimizer step
     for epoch in hvd_adapt.remaining_epochs_until(epochs):
         seen.append([])
+        step = []
         for x, idx in loader:
             opt.zero_grad()
             (x @ w).mean().backward()
             opt.step()
-            seen[-1].append(idx.tolist())
-            state.commit()
+            step += idx.tolist()
+            if loader.is_optim_step():
+                seen[-1].append(step)
+                step = []
+                state.commit()
     return seen, opt, loader
 
 
@@ -282,7 +286,7 @@ def test_decisions_come_every_decide_every_steps_across_short_epochs():
             opt.zero_grad()
             (x @ w).mean().backward()
             opt.step()
-            steps += 1
+            steps += loader.is_optim_step()
     assert changes and changes[0][0] == 10, changes
     assert all(step in (10, 20, 30) for step, _ in changes), changes
     assert changes[-1][1] > 8, changes
@@ -367,3 +371,61 @@ def test_loader_iterated_twice_in_an_epoch_makes_two_passes_but_resumes_finished
         state.commit()
         state.restore()
         assert list(loader) == []
+
+
+def split_job(batch_size, measure_noise, samples=40, **autoscale):
+    """One pass of a one-replica loop: the sizes of the batches handed out, the samples
+    of each optimizer step, and len(loader) as read before the pass and at every batch."""
+    from torch.utils.data import TensorDataset
+    w = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    opt = hvd_adapt.DistributedOptimizer(sgd, measure_noise=measure_noise)
+    gen = torch.Generator().manual_seed(0)
+    loader = AdaptiveDataLoader(TensorDataset(torch.randn(samples, 3, generator=gen),
+                                              torch.arange(samples)), batch_size=batch_size)
+    if autoscale:
+        loader.autoscale_batch_size(**autoscale)
+    hvd_adapt.State(optimizer=opt, loader=loader)
+    sizes, steps, lens, step = [], [], [len(loader)], []
+    for x, idx in loader:
+        lens.append(len(loader))
+        opt.zero_grad()
+        (x @ w).mean().backward()
+        before = w.detach().clone()
+        opt.step()
+        sizes.append(len(idx))
+        step += idx.tolist()
+        # The weights move on the last batch of a cycle only.
+        assert torch.equal(before, w.detach()) != loader.is_optim_step()
+        if loader.is_optim_step():
+            steps.append(step)
+            step = []
+    return sizes, steps, lens, opt, loader
+
+
+def test_one_replica_measuring_the_noise_splits_one_step_in_four():
+    sizes, steps, lens, opt, loader = split_job(8, measure_noise=True)
+    # Steps 0 and 4 of the five come as two halves: two gradients of the same
+    # weights, which is what the noise is measured on.
+    assert sizes == [4, 4, 8, 8, 8, 4, 4]
+    assert [len(s) for s in steps] == [8] * 5
+    assert sorted(i for s in steps for i in s) == list(range(40))
+    assert opt.gns.num_updates == 2
+    assert lens == [7] * 8
+    # The halves are timed as what they are: steps of 4 samples.
+    assert 4 in {key[2] for key in loader.controller.profile.state_dict()}
+
+
+@pytest.mark.parametrize("batch_size,measure_noise,autoscale", [
+    (8, False, {}),
+    (8, None, {}),  # measuring by default only while autoscaling
+    (3, True, {}),  # halves of one sample: BatchNorm refuses those
+    (8, True, dict(max_batch_size=8, local_bsz_bounds=(2, 2), gradient_accumulation=True)),
+], ids=["not-measuring", "not-autoscaling", "small-batch", "accumulating"])
+def test_steps_are_not_split_without_need(batch_size, measure_noise, autoscale):
+    sizes, steps, lens, opt, loader = split_job(batch_size, measure_noise, **autoscale)
+    local = loader.current_local_bsz
+    assert set(sizes[:-1]) == {local}
+    assert lens[0] == len(sizes)
+    expected = 40 // 8 if autoscale else 0
+    assert opt.gns.num_updates == expected

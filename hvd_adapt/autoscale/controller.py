@@ -25,6 +25,17 @@ from .profile import StepProfile
 
 log = logging.getLogger(__name__)
 
+# With one replica and no accumulation there is no second gradient of the
+# same weights to measure the noise with, so one optimizer step in this many
+# is loaded as two half batches, an accumulation cycle of two. (Consecutive
+# steps' gradients also differ by the weights' drift between them, which
+# inflated tr(Sigma) by about 1 + lr*curvature.) The smoothed estimate spans
+# hundreds of steps, so sampling it loses little, and a half batch costs
+# little more than half a step.
+SPLIT_EVERY = 4
+# Each half holds at least 2 samples: BatchNorm refuses a batch of one.
+MIN_SPLIT_BSZ = 4
+
 
 class Controller:
     """Current batch-size plan, step-time profile and decision protocol of one training loader.
@@ -40,8 +51,12 @@ class Controller:
         self.epochs_by_progress = False
         self.profile = StepProfile()
         self._noise = None
+        self._measuring = None
         self._choice = None
         self._micro = 0
+        self._split_first = None     # samples of a split step's first half, while it is open
+        self._split_micro_bsz = None  # set on the second half, until the next batch
+        self._optim_steps = 0        # steps taken by this process (the split's phase)
         self._needs_decision = True
         self._steps_since_decision = 0
         self._epoch_progress_start = 0.0
@@ -58,10 +73,12 @@ class Controller:
         """True once a policy chooses the batch size."""
         return self.policy is not None
 
-    def attach_noise_scale(self, noise_scale):
+    def attach_noise_scale(self, noise_scale, measuring=None):
         """Read gradient statistics and training progress from ``noise_scale`` (the
-        optimizer's :class:`~hvd_adapt.optim.noise.GradientNoiseScale`)."""
+        optimizer's :class:`~hvd_adapt.optim.noise.GradientNoiseScale`); ``measuring()``
+        says whether the optimizer measures it now (then one replica splits steps)."""
         self._noise = noise_scale
+        self._measuring = measuring
 
     @property
     def has_noise_scale(self):
@@ -106,11 +123,44 @@ class Controller:
     def start_cycles(self):
         """A new pass over the data starts: its first batch opens a cycle."""
         self._micro = 0
+        self._split_first = self._split_micro_bsz = None
 
-    def next_micro_step(self, last_of_plan):
-        """Account one batch handed out; ``last_of_plan`` closes the cycle early."""
+    def next_micro_step(self, last_of_plan, split_half=None):
+        """Account one batch handed out; ``last_of_plan`` closes the cycle early.
+        ``split_half``: the batch's samples when it is half of a split step."""
+        self._split_micro_bsz = None
+        if split_half is not None:
+            if self._split_first is None:
+                self._split_first, self._micro = split_half, 1
+                return
+            # Unequal halves weigh alike in the accumulated mean: the estimator's
+            # micro-batch size is then their harmonic mean.
+            first, self._split_first = self._split_first, None
+            self._split_micro_bsz = 2.0 / (1.0 / first + 1.0 / split_half)
+            self._micro = 0
+            return
         accum = self.accumulation_steps
         self._micro = 0 if (self._micro == accum or last_of_plan) else self._micro + 1
+
+    @property
+    def split_micro_bsz(self):
+        """After the second half of a split step (until the next batch): the micro-batch
+        size its noise measurement stands for; None otherwise."""
+        return self._split_micro_bsz
+
+    def splits_steps(self):
+        """True when steps are split for the noise measurement: one replica, no
+        accumulation, a local batch of at least 4, and an optimizer measuring."""
+        local, accum = self._current()
+        return (env.size() == 1 and accum == 0 and local >= MIN_SPLIT_BSZ
+                and self._measuring is not None and self._measuring())
+
+    def steps_to_split(self, num_steps):
+        """Which of the next ``num_steps`` optimizer steps to load as two halves (offsets
+        from the next one): one in ``SPLIT_EVERY`` while :meth:`splits_steps`."""
+        if not self.splits_steps():
+            return range(0)
+        return range((-self._optim_steps) % SPLIT_EVERY, num_steps, SPLIT_EVERY)
 
     def is_optim_step(self):
         """True when the batch just handed out ends an accumulation cycle."""
@@ -129,6 +179,7 @@ class Controller:
     def optim_step_done(self):
         """Count one optimizer step towards ``decide_every``."""
         self._steps_since_decision += 1
+        self._optim_steps += 1
         if self.policy is not None and self._steps_since_decision >= self.policy.decide_every:
             self._needs_decision = True
 
@@ -267,7 +318,7 @@ class Controller:
         self._choice = None if state["choice"] is None else tuple(state["choice"])
         self._epoch_progress_start = state["epoch_progress_start"]
         self._epoch_verdict = None
-        self._micro = 0
+        self.start_cycles()
         self._needs_decision = True
 
     def timed_decision(self):

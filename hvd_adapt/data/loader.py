@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from .._checks import check_bool, check_int
 from .._runtime import env
 from .._runtime.blas import import_scipy_optimize
-from ..autoscale.controller import Controller
+from ..autoscale.controller import MIN_SPLIT_BSZ, Controller
 from ..autoscale.policy import AutoscalePolicy
 from ..elastic.epoch import current_epoch
 from ..elastic.participant import Participant
@@ -33,6 +33,22 @@ class _Plan(torch.utils.data.Sampler):
         return len(self._batches)
 
 
+def _split_for_noise(plan, steps_to_split):
+    """``(indices, world_count, half)`` for each batch of ``plan``; the steps
+    ``steps_to_split(len(plan))`` names become two batches of half the indices each
+    (one replica only, so every index is a sample and none is padding)."""
+    split = set(steps_to_split(len(plan)))
+    out = []
+    for step, (indices, world_count) in enumerate(plan):
+        if step in split and len(indices) >= MIN_SPLIT_BSZ:
+            middle = len(indices) // 2
+            out += [(indices[:middle], middle, True),
+                    (indices[middle:], world_count - middle, True)]
+        else:
+            out.append((indices, world_count, False))
+    return out
+
+
 class AdaptiveDataLoader(Participant):
     """A DataLoader whose ``batch_size`` is the global batch of the whole world.
 
@@ -43,6 +59,10 @@ class AdaptiveDataLoader(Participant):
     Iterated again in the same epoch (a validation loader read mid-epoch and
     at its end), it makes another full pass; a pass found finished in
     restored state is not repeated.
+    While the noise scale is measured with one replica and no accumulation,
+    one optimizer step in four comes as two batches of half the local batch
+    (an accumulation cycle of two; the optimizer steps on the second), so
+    that two gradients of the same weights measure the noise.
     Only an epoch's last batch can be padded (so every rank takes the same
     number of steps); ``num_padded`` says how many of its trailing samples
     repeat others.
@@ -87,6 +107,7 @@ class AdaptiveDataLoader(Participant):
         self.num_padded = 0
         self._kwargs = kwargs
         self._handed_out = None  # batches of the pass being iterated so far; None between passes
+        self._plan_left = 0      # batches of the current plan not yet handed out
         # True once this process iterated a pass to its end since the last
         # restore: iterating again in the same epoch is then a new pass (a
         # validation loader read twice), while a pass found finished in
@@ -196,38 +217,41 @@ class AdaptiveDataLoader(Participant):
 
     def _iterate_pass(self, by_progress):
         controller = self.controller
-        self._handed_out = 0
+        self._handed_out = self._plan_left = 0
         while self.sampler.remaining > 0:
             if controller.decision_due:
                 controller.decide()
             local, accum = controller.local_bsz, controller.accumulation_steps
             size, rank = env.size(), env.rank()
-            plan = list(self.sampler.batches(local, size, rank, self.drop_last))
+            plan = _split_for_noise(list(self.sampler.batches(local, size, rank, self.drop_last)),
+                                    controller.steps_to_split)
             if not plan:
                 # drop_last: what is left is less than one full step.
                 self.sampler.finish_pass()
                 return
+            self._plan_left = len(plan)
             last = None
             # On CUDA the host runs ahead of the device: a step's time means the
             # same as on the CPU only once the device has finished it. One
             # synchronize per step, and only while the profile is used.
             device_sync = controller.autoscaling and torch.cuda.is_available() \
                 and torch.cuda.is_initialized()
-            for i, batch in enumerate(self._torch_loader([idx for idx, _ in plan])):
+            for i, batch in enumerate(self._torch_loader([idx for idx, _, _ in plan])):
                 if device_sync:
                     torch.cuda.synchronize()
                 now = time.perf_counter()
                 if last is not None and i > 1:
                     # The first step of a plan pays for warm-up; leave it out.
-                    controller.record_step(now - last[0], local, optim=last[1])
-                world_count = plan[i][1]
+                    controller.record_step(now - last[0], last[2], optim=last[1])
+                indices, world_count, half = plan[i]
                 final = i == len(plan) - 1
-                controller.next_micro_step(final)
+                controller.next_micro_step(final, split_half=len(indices) if half else None)
                 # Only an epoch's last step can be short, and so padded.
                 self.num_padded = ElasticSampler.padding(world_count, size, rank) if final else 0
                 self.sampler.advance(world_count)
-                last = (now, controller.is_optim_step())
+                last = (now, controller.is_optim_step(), len(indices) if half else local)
                 self._handed_out += 1
+                self._plan_left -= 1
                 yield batch
                 if not controller.is_optim_step():
                     continue
@@ -244,19 +268,19 @@ class AdaptiveDataLoader(Participant):
                     spent = controller.timed_decision()
                     if (controller.local_bsz, controller.accumulation_steps) != (local, accum):
                         break
-                    last = (last[0] + spent, last[1])
+                    last = (last[0] + spent,) + last[1:]
 
     def __len__(self):
         """Batches of the pass being iterated, or of the one iterating would start."""
-        local, size = self.controller.local_bsz, env.size()
-        rest = self.sampler.num_batches(local, size, self.drop_last)
         if self._handed_out is not None:
-            return self._handed_out + rest
+            return self._handed_out + self._plan_left
+        local, size = self.controller.local_bsz, env.size()
+        samples = None
         epoch = self._next_pass_epoch()
         if epoch != self.sampler.epoch or self._repeats_pass(epoch):
-            return self.sampler.num_batches(local, size, self.drop_last,
-                                            samples=self.sampler.num_samples)
-        return rest
+            samples = self.sampler.num_samples
+        steps = self.sampler.num_batches(local, size, self.drop_last, samples=samples)
+        return steps + len(self.controller.steps_to_split(steps))
 
     # -- elastic state ---------------------------------------------------------------
     def state_dict(self):

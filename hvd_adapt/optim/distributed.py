@@ -15,10 +15,10 @@ import torch
 from horovod.torch.functions import broadcast_parameters
 
 from .._runtime import collective, env
-from ..autoscale.controller import Controller
+from ..autoscale.controller import SPLIT_EVERY, Controller
 from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
-from .noise import PAIR_EVERY, GradientNoiseScale, adam_preconditioner
+from .noise import GradientNoiseScale, adam_preconditioner
 from .scaling_rules import ScalingRule, default_rule
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.measure_noise = measure_noise
         self.grad_scaler = grad_scaler
         self._controller = None
-        self._single_steps = 0      # optimizer steps taken alone (for the pair's phase)
-        self._pair_scale = None     # the loss scale the kept first step was measured at
         self._skip_sync = False
         self._synced = False        # replicas were made alike (State.sync) before training
         self._op = op
@@ -139,7 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.optimizer.add_param_group(param_group)
         self.gns = GradientNoiseScale(len(self.optimizer.param_groups), self.gns.smoothing)
         if self._controller is not None:
-            self._controller.attach_noise_scale(self.gns)
+            self._controller.attach_noise_scale(self.gns, self._measuring)
         self._hook_params()
 
     def zero_grad(self, set_to_none=True):
@@ -157,7 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if not isinstance(controller, Controller):
             raise ValueError(f"expected an hvd_adapt Controller, got {controller!r}")
         self._controller = controller
-        controller.attach_noise_scale(self.gns)
+        controller.attach_noise_scale(self.gns, self._measuring)
 
     def join(self, peers):
         """Attach to the autoscaled loader among ``peers`` (the State's values), else the first."""
@@ -170,9 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.discard_accumulation()
 
     def discard_accumulation(self):
-        """Forget accumulated micro-steps, measurements and the kept step (after a restore)."""
+        """Forget accumulated micro-steps and measurements (after a restore)."""
         self._exchange.discard()
-        self._pair_scale = None
 
     # -- what each backward pass does --------------------------------------------------
     def _measuring(self):
@@ -187,13 +184,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         controller = self._controller
         last = controller is None or controller.is_optim_step()
         replicas = env.size()
-        measure = self._measuring()
-        pair = None
-        if measure and replicas == 1 and last and not self._exchange.cycle_open:
-            phase = self._single_steps % PAIR_EVERY
-            pair = {0: "first", 1: "second"}.get(phase)
-            measure = pair is not None
-        return Cycle(last, measure, replicas, pair)
+        # One replica measures only cycles of several micro-steps (the loader
+        # splits a step in SPLIT_EVERY when there is no accumulation).
+        several = replicas > 1 or not last or self._exchange.cycle_open
+        return Cycle(last, self._measuring() and several, replicas)
 
     def _preconditioner(self, p):
         state = self.optimizer.state.get(p)
@@ -228,32 +222,27 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             self._sync_forgotten()
         finished = self._exchange.take_finished()
         if finished is not None:
-            cycle, micro, stats, sync_seconds = finished
+            cycle, stats, sync_seconds = finished
             if self._controller is not None:
                 if cycle.replicas > 1:
                     self._controller.record_sync(sync_seconds)
-                self._take_measurement(cycle, micro, stats)
+                self._take_measurement(cycle, stats)
         return self._scaled_step(closure)
 
-    def _take_measurement(self, cycle, micro, stats):
-        if not self._measuring():
+    def _take_measurement(self, cycle, stats):
+        if stats is None or not self._measuring():
             return
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
-        if cycle.replicas == 1 and micro == 1:
-            # One step in PAIR_EVERY keeps its gradients, the next pairs with them.
-            self._single_steps += 1
-            if cycle.pair == "first":
-                self._pair_scale = scale
-            if stats is None or not stats.pair or self._pair_scale != scale:
-                return
-        if stats is None:
-            return
         local, total = torch.stack([stats.local, stats.total]).cpu().numpy() / scale ** 2
         if self._op == hvd.Sum:
             total = total / cycle.replicas ** 2
-        local_bsz, init = self._controller.local_bsz, self._controller.init_batch_size
-        samples = PAIR_EVERY * local_bsz if stats.pair else None
-        self.gns.update(local, total, local_bsz, stats.num_micro, init, samples=samples)
+        controller = self._controller
+        micro_bsz, samples = controller.local_bsz, None
+        if controller.split_micro_bsz is not None:
+            # Two halves of one step, standing for the SPLIT_EVERY steps until the next.
+            micro_bsz, samples = controller.split_micro_bsz, SPLIT_EVERY * controller.local_bsz
+        self.gns.update(local, total, micro_bsz, stats.num_micro, controller.init_batch_size,
+                        samples=samples)
 
     def _scaled_step(self, closure):
         controller = self._controller

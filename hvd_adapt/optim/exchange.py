@@ -28,29 +28,28 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from torch.autograd import Variable
 
-from .noise import GradientPair, group_sqnorms, sqnorm, stats_dtype
+from .noise import group_sqnorms, sqnorm, stats_dtype
 
 
 class Cycle:
     """What one backward pass must do; the optimizer answers it before each backward.
 
     ``last``: it ends an accumulation cycle, so the gradients are averaged.
-    ``measure``: take the squared norms the noise scale needs. ``pair``:
-    with one replica and no accumulation, "first" keeps this step's
-    gradients and "second" pairs them with the kept ones (else None).
+    ``measure``: take the squared norms the noise scale needs (of every
+    micro-batch's gradient, and of the cycle's mean).
     """
 
-    def __init__(self, last, measure, replicas, pair=None):
-        self.last, self.measure, self.replicas, self.pair = last, measure, replicas, pair
+    def __init__(self, last, measure, replicas):
+        self.last, self.measure, self.replicas = last, measure, replicas
 
 
 class Measurement:
     """One cycle's squared norms per group (float64 device tensors): ``local`` is the mean
     over micro-batches of each one's, ``total`` the mean gradient's, over ``num_micro``
-    micro-batches; ``pair`` says they come from two consecutive steps."""
+    micro-batches."""
 
-    def __init__(self, local, total, num_micro, pair=False):
-        self.local, self.total, self.num_micro, self.pair = local, total, num_micro, pair
+    def __init__(self, local, total, num_micro):
+        self.local, self.total, self.num_micro = local, total, num_micro
 
 
 class GradientExchange:
@@ -60,7 +59,7 @@ class GradientExchange:
     ``precondition(p)`` a tensor to multiply p's gradient by before its norm
     is taken, or None. After the last micro-step's backward, :attr:`stats`
     holds its :class:`Measurement` when one was taken (else None),
-    :attr:`finished` its :class:`Cycle` and number of micro-steps, and
+    :attr:`finished` its :class:`Cycle`, and
     :attr:`sync_seconds` the time spent waiting for the allreduces; the
     optimizer takes them with :meth:`take_finished`.
     """
@@ -82,7 +81,6 @@ class GradientExchange:
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
         self._handles = {}
-        self._pair = GradientPair()
         self.stats = None
         self.finished = None
         self.sync_seconds = 0.0
@@ -110,15 +108,14 @@ class GradientExchange:
         self._handles = {}
         if self._buckets is not None:
             self._ready = [0] * len(self._buckets)
-        self._pair.forget()
         self.take_finished()
 
     def take_finished(self):
-        """``(cycle, micro_steps, measurement, sync_seconds)`` of the last finished cycle, or
+        """``(cycle, measurement, sync_seconds)`` of the last finished cycle, or
         None; cleared by the call (a skipped step's are dropped by the next ``zero_grad``)."""
         if self.finished is None:
             return None
-        taken = self.finished + (self.stats, self.sync_seconds)
+        taken = (self.finished, self.stats, self.sync_seconds)
         self.finished, self.stats, self.sync_seconds = None, None, 0.0
         return taken
 
@@ -143,9 +140,7 @@ class GradientExchange:
         # The gradient of this micro-batch alone, before it is added to .grad.
         if self._cycle is None:
             self._start_backward()
-        cycle = self._cycle
-        # A pair (one replica, one micro-step) is measured on .grad at the end instead.
-        if cycle.measure and cycle.pair is None:
+        if self._cycle.measure:
             pre = self._precondition(p)
             if self._micro_sqr is None:
                 self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
@@ -223,20 +218,11 @@ class GradientExchange:
         self.sync_seconds = time.perf_counter() - started
         if carried is not None:
             local = carried / cycle.replicas if self._op == hvd.Sum else carried
-        self.finished = (cycle, micro)
+        self.finished = cycle
         self.stats = None
         if local is not None:
             self.stats = Measurement(local, group_sqnorms(self.grads_by_group()),
                                      micro * cycle.replicas)
-        elif cycle.measure and cycle.pair == "first":
-            self._pair.first(self.grads_by_group())
-        elif cycle.measure and cycle.pair == "second":
-            paired = self._pair.second(self.grads_by_group())
-            if paired is not None:
-                # |(a + b) / 2|^2 = (|a|^2 + |b|^2 + 2 a.b) / 4
-                first, second, dots = paired
-                self.stats = Measurement((first + second) / 2, (first + second + 2 * dots) / 4,
-                                         2, pair=True)
 
     def synchronize(self):
         """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages.

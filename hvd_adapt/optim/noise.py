@@ -9,16 +9,16 @@ From n gradients of micro-batches of b samples each, with mean squared norm
 which solve to the unbiased estimates used here (McCandlish et al., "An
 Empirical Model of Large-Batch Training", 2018; AdaptDL's estimator). The
 micro-batches are the replicas' local gradients and, with accumulation, each
-accumulation step; with one replica and no accumulation, two consecutive
-steps stand in for two replicas (one such pair in every few steps). Estimates
+accumulation step; with one replica and no accumulation, the two halves of a
+step the loader splits (one step in every few; see ``autoscale/controller.py``).
+Two gradients of the same weights measure noise alone; consecutive steps'
+gradients would also differ by the weights' drift between them. Estimates
 are smoothed per parameter group by an exponential moving average with bias
 correction, each measurement weighted by the training samples it stands for.
 
 The estimator is numpy; the helpers below it take the measurements from
 torch gradients on their own device.
 """
-import functools
-
 import numpy as np
 import torch
 
@@ -172,58 +172,3 @@ def adam_preconditioner(state, group):
         return None
     correction = 1 - group["betas"][1] ** float(state["step"])
     return 1.0 / state["exp_avg_sq"].div(correction).sqrt_().add_(group["eps"])
-
-
-# With one replica and no accumulation, the noise is measured on one pair of
-# consecutive steps in this many. On small models the measurement's cost is
-# per-call overhead that also slows the next forward and backward (caches), up
-# to a third of a step when done every step; the smoothed estimate spans
-# hundreds of steps, so sampling it loses little.
-PAIR_EVERY = 4
-
-
-class GradientPair:
-    """One step's gradients kept, to pair with the next step's: one gradient-sized buffer.
-
-    Storing the first is a copy; the second is read where it lies, so
-    pairing allocates nothing gradient-sized. Results stay on the device.
-    """
-
-    def __init__(self):
-        self._buffer = None
-        self._sizes = None
-        self._first_sqr = None
-
-    def forget(self):
-        self._first_sqr = None
-
-    def first(self, groups):
-        """Keep the first step's gradients (one list of tensors per group)."""
-        flat = [g.reshape(-1) for grads in groups for g in grads]
-        if not flat:
-            self._first_sqr = None
-            return
-        sizes = [[g.numel() for g in grads] for grads in groups]
-        dtype = wide_dtype(functools.reduce(torch.promote_types, {g.dtype for g in flat}))
-        if self._buffer is None or self._sizes != sizes or self._buffer.dtype != dtype \
-                or self._buffer.device != flat[0].device:
-            self._buffer = torch.empty(sum(g.numel() for g in flat), dtype=dtype,
-                                       device=flat[0].device)
-            self._sizes = sizes
-        torch.cat(flat, out=self._buffer)
-        self._first_sqr = group_sqnorms(groups)
-
-    def second(self, groups):
-        """``(first_sqr, second_sqr, dots)`` per group as float64 tensors on the device, or
-        None when there is no first step of the same parameters to pair with."""
-        sizes = [[g.numel() for g in grads] for grads in groups]
-        if self._first_sqr is None or sizes != self._sizes:
-            return None
-        parts = iter(self._buffer.split([n for group in sizes for n in group]))
-        zero = torch.zeros((), dtype=torch.float64, device=self._buffer.device)
-        dots = torch.stack([
-            torch.stack([torch.dot(next(parts), g.reshape(-1).to(self._buffer.dtype)).double()
-                         for g in grads]).sum() if grads else zero
-            for grads in groups])
-        first, self._first_sqr = self._first_sqr, None
-        return first, group_sqnorms(groups), dots
