@@ -68,13 +68,18 @@ def worker(args):
         model = torch.nn.Sequential(*layers).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def timed(batches, steps, step):
-        """Seconds between consecutive ends of ``step(i, x, y)``, for ``steps`` batches."""
-        times, last = [], None
-        for i, (x, y) in enumerate(batches):
+    def timed(batches, steps, step, ends_step=lambda: True):
+        """Seconds between consecutive ends of optimizer steps, for ``steps`` of them;
+        ``step(i, x, y)`` runs each batch, ``ends_step()`` says whether it ended one (a
+        step measuring the noise alone comes as two half batches)."""
+        times, last, i = [], None, 0
+        for x, y in batches:
             if i == steps:
                 break
             step(i, x.to(device), y.to(device))
+            if not ends_step():
+                continue
+            i += 1
             if device.type == "cuda":
                 # Step times mean the same as on the CPU: the device's work included.
                 torch.cuda.synchronize(device)
@@ -114,9 +119,9 @@ def worker(args):
             loss.backward()
             opt.step()
             stats["loss"] += loss.item()
-            if i % args.commit_every == 0:
+            if i % args.commit_every == 0 and loader.is_optim_step():
                 state.commit()
-        return timed(loader, steps, step)
+        return timed(loader, steps, step, loader.is_optim_step)
 
     loops = {"plain": plain, "hvd_adapt": adaptive}
     if args.memory_of:

@@ -80,3 +80,20 @@ def test_init_keeps_scipys_blas_threads_from_spinning_after_mpis_fork():
     assert out.returncode == 0, out.stdout + out.stderr
     idle_cpu = float(out.stdout.strip().splitlines()[-1])
     assert idle_cpu < 0.03, f"{idle_cpu:.3f} s of CPU while idle after a BLAS call"
+
+
+@pytest.mark.parametrize("elastic,preset,expected", [
+    ("1", None, "10"),   # an elastic job gives up on a dead peer after 10 s, not Gloo's 30
+    ("1", "45", "45"),   # the user's (or horovodrun --gloo-timeout-seconds') value stands
+    (None, None, None),  # outside elastic jobs a dead peer ends the job anyway
+])
+def test_elastic_jobs_give_up_on_a_dead_peer_sooner(elastic, preset, expected):
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("HOROVOD_ELASTIC", "HOROVOD_GLOO_TIMEOUT_SECONDS")}
+    run_env.update({k: v for k, v in (("HOROVOD_ELASTIC", elastic),
+                                      ("HOROVOD_GLOO_TIMEOUT_SECONDS", preset)) if v})
+    code = ("import os, hvd_adapt\nhvd_adapt.init()\n"
+            "print(os.environ.get('HOROVOD_GLOO_TIMEOUT_SECONDS'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=run_env)
+    assert out.stdout.split() == [str(expected)], out.stdout + out.stderr

@@ -15,12 +15,23 @@ import torch
 from .blas import cap_loaded_scipy_blas
 from .threads import share_cpu_threads
 
+# How long Gloo waits for a peer's message before it gives up (its own
+# default: 30 s). When an elastic worker dies, some survivors see the broken
+# connection at once and others wait this long for it (benchmarks/RESULTS.md,
+# the soak), so every kill could cost a 30 s pause. Horovod's own negotiation
+# exchanges messages every few milliseconds while any rank is alive, so a
+# wait this long only ends in a dead or hung peer.
+GLOO_TIMEOUT_SECONDS = 10
+
 
 def init(comm=None):
     """Initialise Horovod once (later calls do nothing) and set this replica up.
 
     ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
-    ranks) to run this job on a subset of an ``mpirun`` world. Afterwards
+    ranks) to run this job on a subset of an ``mpirun`` world. In an elastic
+    job, a dead peer is given up on after ``GLOO_TIMEOUT_SECONDS`` (10 s)
+    instead of Gloo's 30 s, unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (or
+    ``horovodrun --gloo-timeout-seconds``) says otherwise. Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it.
@@ -35,6 +46,9 @@ def init(comm=None):
     if launcher() == "python":
         # MPI_Init forks here; see blas.py for what that does to BLAS threads.
         cap_loaded_scipy_blas()
+    if is_elastic():
+        # Read by Horovod at every hvd.init, including those of elastic resets.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
     hvd.init(comm=comm)
     share_cpu_threads(hvd.local_size(), hvd.local_rank())
     if torch.cuda.is_available():

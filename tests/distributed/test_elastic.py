@@ -7,57 +7,13 @@ each sample exactly once and that accumulator totals equal the closed form of
 a run without resizes.
 """
 import collections
-import os
-import stat
-import sys
-import tempfile
 
 import pytest
 
-from launch import WORKERS, run_job
-from training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_logs
-
-FAST_HOROVODRUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hvdrun_fast_discovery.py")
+from elastic_jobs import run_elastic, sizes_in_order
+from training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
-
-
-def discovery_script(out_dir, schedule):
-    """``schedule``: [(first_step, [host lines])...], from step 0 on."""
-    lines = ["#!/bin/bash", f'step=$(cat "{out_dir}/progress" 2>/dev/null || echo 0)']
-    for i, (first, hosts) in enumerate(reversed(schedule)):
-        keyword = "if" if i == 0 else "elif"
-        lines.append(f'{keyword} [ "$step" -ge {first} ]; then')
-        lines += [f'  echo "{h}"' for h in hosts]
-    lines.append("fi")
-    path = os.path.join(out_dir, "discover.sh")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
-    return path
-
-
-def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180, env=None):
-    out_dir = tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
-    command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
-               "--max-np", str(max_np), "--network-interface", "lo",
-               "--host-discovery-script", discovery_script(out_dir, schedule),
-               sys.executable, os.path.join(WORKERS, "elastic_train.py"),
-               "--samples", str(SAMPLES)] + [str(a) for a in worker_args]
-    job = run_job(command, out_dir=out_dir, timeout=timeout, env=env)
-    return (job,) + read_logs(out_dir)
-
-
-def sizes_in_order(commits):
-    by_step = {}
-    for entry in commits:
-        by_step.setdefault(entry["step"], set()).add(entry["size"])
-    order = []
-    for step in sorted(by_step):
-        for size in sorted(by_step[step]):
-            if not order or order[-1] != size:
-                order.append(size)
-    return order
 
 
 @pytest.mark.parametrize("autoscale", [False, True], ids=["fixed-bsz", "autoscale"])
@@ -95,5 +51,27 @@ def test_worker_sigkill_exactly_once():
     job, commits, epochs = run_elastic(schedule, np=3, min_np=1, max_np=3, worker_args=args)
     job.check()
     assert sizes_in_order(commits) == [3, 2]
+    check_exactly_once(commits, epochs, 3)
+    check_identical_replicas(commits)
+
+
+@pytest.mark.parametrize("gap", [0.1, 0.4], ids=["one-poll", "two-polls"])
+def test_a_removal_and_an_addition_a_poll_or_two_apart(gap):
+    # 127.0.0.1's worker is removed and, within one or two discovery polls
+    # (0.2 s), a second localhost worker added. Where the survivor resets for
+    # the removal alone (Horovod lets it skip the sync) while the new world
+    # already holds the joining worker, two paths hung before the sync
+    # agreement; this schedule did not hit that window on this machine (with
+    # the agreement taken out it passes too), test_sync.py forces it. What it
+    # checks is the rest: the job finishes, each sample once, replicas alike.
+    schedule = [(0, ["localhost:1", "127.0.0.1:1"]), (6, ["localhost:1"]),
+                (6, ["localhost:2"], gap)]
+    # Held at step 8 too, so that the addition lands before the job ends.
+    args = ["--epochs", "3", "--batch-size", "8", "--wait-steps", "[6, 8]"]
+    job, commits, epochs = run_elastic(schedule, np=2, min_np=1, max_np=3, worker_args=args,
+                                       timeout=150)
+    job.check()
+    assert sizes_in_order(commits)[-1] == 2, sizes_in_order(commits)
+    assert {e["host"] for e in commits if e["step"] > 6} == {"localhost"}
     check_exactly_once(commits, epochs, 3)
     check_identical_replicas(commits)

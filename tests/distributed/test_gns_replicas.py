@@ -20,7 +20,9 @@ def test_two_replicas_estimate_known_statistics(accumulate):
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["replicas", "replicas+accumulation"])
 def test_adam_noise_is_measured_in_its_preconditioned_space(accumulate):
-    args = ["--optimizer", "adam", "--samples", 16000] + (["--accumulate"] if accumulate else [])
+    # lr 0.01 moves the weights (and Adam's preconditioner) between steps.
+    args = ["--optimizer", "adam", "--lr", 0.01, "--samples", 16000] + \
+        (["--accumulate"] if accumulate else [])
     job = run_ranks("gns_train.py", np=2, launcher="gloo", args=args).check()
     rep = job.reports[0]
     # Raw gradients would give |G|^2 = 5 and tr = 20; preconditioned, about 16 and 64.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch import run_ranks
-from test_elastic import run_elastic, sizes_in_order
+from elastic_jobs import run_elastic, sizes_in_order
 from training_logs import SAMPLES, check_exactly_once, read_logs
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

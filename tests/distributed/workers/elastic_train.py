@@ -77,6 +77,12 @@ def main():
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--autoscale", action="store_true")
+    parser.add_argument("--max-local-bsz", type=int, default=None)
+    # The soak's schedule: [{"id", "step", "rank", "mid_cycle"}...]; each fires once.
+    parser.add_argument("--kill-plan", type=json.loads, default=[])
+    parser.add_argument("--until-step", type=int, default=None,
+                        help="end after the first epoch that reaches this step")
+    parser.add_argument("--hold-seconds", type=float, default=30.0)
     args = parser.parse_args()
 
     hvd_adapt.register_handler(CommitLog, CommitLogHandler)
@@ -93,7 +99,8 @@ def main():
     loader = hvd_adapt.AdaptiveDataLoader(IndexDataset(args.samples), batch_size=args.batch_size,
                                           shuffle=True, seed=3)
     if args.autoscale:
-        loader.autoscale_batch_size(4 * args.batch_size, local_bsz_bounds=(2, 2 * args.batch_size),
+        loader.autoscale_batch_size(4 * args.batch_size,
+                                    local_bsz_bounds=(2, args.max_local_bsz or 2 * args.batch_size),
                                     gradient_accumulation=True, decide_every=2)
     stats = hvd_adapt.Accumulator()
     log = CommitLog(out_path(f"commits.{os.getpid()}.jsonl"))
@@ -103,10 +110,18 @@ def main():
 
     @hvd_adapt.run
     def train(state):
+        # Horovod blacklists a dead worker's host and ends the job when that leaves
+        # no slot, or no host that stepped in the world before: kills need two
+        # hosts that have stepped together.
+        hosts = len(set(hvd.allgather_object(host))) if args.kill_plan else 0
+        world_start, world_started = state.step, time.time()
         for epoch in hvd_adapt.remaining_epochs_until(args.epochs):
             for x, idx in loader:
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if hosts > 1 and state.step >= world_start + 2:
+                    planned_kill(args.kill_plan, state.step, loader.is_optim_step(),
+                                 world_started)
                 real = idx[:len(idx) - loader.num_padded]
                 loss = model(x.to(device)).pow(2).mean()
                 opt.zero_grad()
@@ -115,7 +130,7 @@ def main():
                 stats["n"] += len(real)
                 stats["idsum"] += int(real.sum())
                 log.pending.append({"epoch": epoch, "indices": real.tolist(), "rank": hvd.rank(),
-                                    "size": hvd.size(), "step": state.step,
+                                    "size": hvd.size(), "step": state.step, "host": host,
                                     "params": params_digest(model),
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
@@ -131,7 +146,7 @@ def main():
                 if state.step in args.wait_steps and state.step not in state.waited:
                     state.waited = state.waited + [state.step]
                     # Hold still at this step until the driver's resize reaches us.
-                    deadline = time.time() + 30
+                    deadline = time.time() + args.hold_seconds
                     while time.time() < deadline:
                         time.sleep(0.1)
                         state.commit()
@@ -141,8 +156,37 @@ def main():
                         f.write(json.dumps({"epoch": epoch, "n": stats["n"],
                                             "idsum": stats["idsum"], "size": hvd.size()}) + "\n")
                 stats.clear()
+            if args.until_step is not None and state.step >= args.until_step:
+                break
 
     train(state)
+
+
+def planned_kill(plan, step, optim_step, world_started):
+    """SIGKILL this worker if the first kill of the plan not yet fired is for its rank
+    (modulo the world's size) now: from ``step`` on, or for a ``mid_cycle`` kill at the
+    first batch from ``step`` on that leaves a cycle open (two steps later at the latest,
+    in case nothing accumulates). One kill per world (Horovod ends a job whose every
+    worker failed at once): none fires in a world that started before the last kill.
+    Its marker file says which rank died."""
+    fired = [out_path(f"killed.{kill['id']}") for kill in plan]
+    pending = [kill for kill, path in zip(plan, fired) if not os.path.exists(path)]
+    if not pending or any(os.path.getmtime(p) >= world_started
+                          for p in fired if os.path.exists(p)):
+        return
+    kill = pending[0]
+    if hvd.rank() != kill["rank"] % hvd.size() or step < kill["step"]:
+        return
+    if kill["mid_cycle"] and optim_step and step < kill["step"] + 2:
+        return
+    try:
+        fd = os.open(out_path(f"killed.{kill['id']}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, json.dumps({"rank": hvd.rank(), "size": hvd.size(), "step": step,
+                             "mid_cycle": not optim_step}).encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
