@@ -128,21 +128,24 @@ def main(argv=None):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
                     loss = F.cross_entropy(model(x), y)
                 if scaler is not None:
-                    # Gradients are averaged over replicas when backward returns, so
-                    # unscaling, clipping and the scaler's skip decision agree on every rank.
                     scaler.scale(loss).backward()
-                    opt.synchronize()
-                    scaler.unscale_(opt)
                 else:
                     loss.backward()
-                if args.clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                if scaler is not None:
-                    with opt.skip_synchronize():
-                        scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
+                # Gradients are averaged over replicas when backward returns, so
+                # unscaling, clipping and the scaler's skip decision agree on every
+                # rank; as with any accumulation, only at the end of a cycle.
+                if train_loader.is_optim_step():
+                    if scaler is not None:
+                        opt.synchronize()
+                        scaler.unscale_(opt)
+                    if args.clip is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    if scaler is not None:
+                        with opt.skip_synchronize():
+                            scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
                 real = len(y) - train_loader.num_padded
                 stats["train_loss"] += loss.item() * real
                 stats["train_n"] += real

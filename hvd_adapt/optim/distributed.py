@@ -36,15 +36,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     last micro-step of an accumulation cycle only (earlier
     micro-steps accumulate into ``.grad``, and ``zero_grad()`` and ``step()``
     leave them alone), and they are averaged when ``backward()`` returns, so
-    clipping and mixed precision work as in one process::
+    clipping and mixed precision work as in one process. As with any gradient
+    accumulation, unscale, clip and step where a batch ends a cycle (one
+    replica measuring the noise splits a step in four into two batches)::
 
         scaler.scale(loss).backward()     # averaged over replicas here
-        opt.synchronize()                 # (a no-op then; kept for Horovod's recipes)
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        with opt.skip_synchronize():
-            scaler.step(opt)              # every rank skips an overflowing step alike
-        scaler.update()
+        if loader.is_optim_step():
+            opt.synchronize()             # (a no-op then; kept for Horovod's recipes)
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                scaler.step(opt)          # every rank skips an overflowing step alike
+            scaler.update()
 
     ``step()`` updates the gradient noise scale and steps the wrapped
     optimizer with its lr scaled by ``scaling_rule`` (default: AdaScale,
