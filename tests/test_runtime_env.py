@@ -83,7 +83,7 @@ def test_init_keeps_scipys_blas_threads_from_spinning_after_mpis_fork():
 
 
 @pytest.mark.parametrize("elastic,preset,expected", [
-    ("1", None, "10"),   # an elastic job gives up on a dead peer after 10 s, not Gloo's 30
+    ("1", None, "5"),    # an elastic job gives up on a dead peer after 5 s, not Gloo's 30
     ("1", "45", "45"),   # the user's (or horovodrun --gloo-timeout-seconds') value stands
     (None, None, None),  # outside elastic jobs a dead peer ends the job anyway
 ])

@@ -20,8 +20,9 @@ from .threads import share_cpu_threads
 # connection at once and others wait this long for it (benchmarks/RESULTS.md,
 # the soak), so every kill could cost a 30 s pause. Horovod's own negotiation
 # exchanges messages every few milliseconds while any rank is alive, so a
-# wait this long only ends in a dead or hung peer.
-GLOO_TIMEOUT_SECONDS = 10
+# wait this long only ends in a dead or hung peer. 3 s passed the soak too;
+# 5 s leaves room for a loaded machine's scheduling hiccups.
+GLOO_TIMEOUT_SECONDS = 5
 
 
 def init(comm=None):
@@ -29,7 +30,7 @@ def init(comm=None):
 
     ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
     ranks) to run this job on a subset of an ``mpirun`` world. In an elastic
-    job, a dead peer is given up on after ``GLOO_TIMEOUT_SECONDS`` (10 s)
+    job, a dead peer is given up on after ``GLOO_TIMEOUT_SECONDS`` (5 s)
     instead of Gloo's 30 s, unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (or
     ``horovodrun --gloo-timeout-seconds``) says otherwise. Afterwards
     torch's CPU threads are shared among the node's replicas (see

@@ -18,7 +18,9 @@ FAST_HOROVODRUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hvdr
 def discovery_script(out_dir, schedule):
     """``schedule``: [(first_step, [host lines])...], from step 0 on. An entry
     ``(first_step, hosts, seconds)`` holds from ``seconds`` after the script first saw
-    ``first_step`` reached: two changes closer together than the driver's polls."""
+    ``first_step`` reached: two changes closer together than the driver's polls. An entry
+    ``(first_step, hosts, "name")`` holds once the job has also written the file ``name``
+    into its output folder: a change at a moment the job chooses."""
     lines = ["#!/bin/bash", f'step=$(cat "{out_dir}/progress" 2>/dev/null || echo 0)',
              "now=$(date +%s.%N)",
              # Seconds since this script first saw step >= $1.
@@ -27,7 +29,9 @@ def discovery_script(out_dir, schedule):
     for i, (first, hosts, *delay) in enumerate(reversed(schedule)):
         keyword = "if" if i == 0 else "elif"
         condition = f'[ "$step" -ge {first} ]'
-        if delay:
+        if delay and isinstance(delay[0], str):
+            condition += f' && [ -f "{out_dir}/{delay[0]}" ]'
+        elif delay:
             condition += f' && awk -v s="$(since {first})" \'BEGIN {{exit !(s >= {delay[0]})}}\''
         lines.append(f'{keyword} {condition}; then')
         lines += [f'  echo "{h}"' for h in hosts]

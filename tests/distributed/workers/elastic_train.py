@@ -15,6 +15,7 @@ import time
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.torch.elastic.state import StateHandler
 from torch.utils.data import Dataset
 
@@ -83,6 +84,9 @@ def main():
     parser.add_argument("--until-step", type=int, default=None,
                         help="end after the first epoch that reaches this step")
     parser.add_argument("--hold-seconds", type=float, default=30.0)
+    parser.add_argument("--pause-on-interrupt", type=float, default=0.0,
+                        help="rank 0 writes the file 'interrupted' at the first host-update "
+                             "interrupt and waits this long before resetting")
     args = parser.parse_args()
 
     hvd_adapt.register_handler(CommitLog, CommitLogHandler)
@@ -107,6 +111,19 @@ def main():
     state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats, log=log,
                             step=0, waited=[])
     host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+
+    def commit():
+        try:
+            state.commit()
+        except HostsUpdatedInterrupt:
+            # The discovery script can change the hosts again between this
+            # interrupt and the reset's rendezvous, which is when Horovod
+            # builds the new world.
+            marker = out_path("interrupted")
+            if args.pause_on_interrupt and hvd.rank() == 0 and not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(args.pause_on_interrupt)
+            raise
 
     @hvd_adapt.run
     def train(state):
@@ -140,7 +157,7 @@ def main():
                                     "cpus": len(os.sched_getaffinity(0))})
                 if loader.is_optim_step():
                     state.step += 1
-                state.commit()
+                commit()
                 if hvd.rank() == 0:
                     write_progress(state.step)
                 if state.step in args.wait_steps and state.step not in state.waited:
@@ -149,7 +166,7 @@ def main():
                     deadline = time.time() + args.hold_seconds
                     while time.time() < deadline:
                         time.sleep(0.1)
-                        state.commit()
+                        commit()
             with stats.synchronized():
                 if hvd.rank() == 0:
                     with open(out_path("epochs.jsonl"), "a") as f:
