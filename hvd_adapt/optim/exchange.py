@@ -81,6 +81,11 @@ class GradientExchange:
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
         self._handles = {}
+        # Each parameter's preconditioner while a measured cycle is under way:
+        # optimizer state changes only at step(), so the one taken for a
+        # micro-batch's norm serves the cycle's other micro-batches and the
+        # mean gradient's norm (Adam's costs several passes over the tensor).
+        self._preconditioners = {}
         self.stats = None
         self.finished = None
         self.sync_seconds = 0.0
@@ -106,6 +111,7 @@ class GradientExchange:
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
         self._handles = {}
+        self._preconditioners = {}
         if self._buckets is not None:
             self._ready = [0] * len(self._buckets)
         self.take_finished()
@@ -141,7 +147,7 @@ class GradientExchange:
         if self._cycle is None:
             self._start_backward()
         if self._cycle.measure:
-            pre = self._precondition(p)
+            pre = self._preconditioner(p)
             if self._micro_sqr is None:
                 self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
                                               device=grad.device)
@@ -223,6 +229,7 @@ class GradientExchange:
         if local is not None:
             self.stats = Measurement(local, group_sqnorms(self.grads_by_group()),
                                      micro * cycle.replicas)
+        self._preconditioners = {}
 
     def synchronize(self):
         """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages.
@@ -239,8 +246,13 @@ class GradientExchange:
                     p.grad.copy_(self._compression.decompress(output, ctx))
         return carried
 
+    def _preconditioner(self, p):
+        if p not in self._preconditioners:
+            self._preconditioners[p] = self._precondition(p)
+        return self._preconditioners[p]
+
     def _pre(self, p):
-        pre = self._precondition(p)
+        pre = self._preconditioner(p)
         return p.grad if pre is None else p.grad * pre
 
     def grads_by_group(self):

@@ -170,5 +170,8 @@ def adam_preconditioner(state, group):
     first step."""
     if "exp_avg_sq" not in state:
         return None
-    correction = 1 - group["betas"][1] ** float(state["step"])
+    step, beta2 = state["step"], group["betas"][1]
+    # A tensor step stays where it is: fused and capturable Adam keep it on
+    # the GPU, where float() would wait for the device at every parameter.
+    correction = 1 - (torch.pow(beta2, step) if torch.is_tensor(step) else beta2 ** step)
     return 1.0 / state["exp_avg_sq"].div(correction).sqrt_().add_(group["eps"])
