@@ -227,7 +227,7 @@ class GradientExchange:
         self.finished = cycle
         self.stats = None
         if local is not None:
-            self.stats = Measurement(local, group_sqnorms(self.grads_by_group()),
+            self.stats = Measurement(local, group_sqnorms(self._grads_by_group()),
                                      micro * cycle.replicas)
         self._preconditioners = {}
 
@@ -255,8 +255,8 @@ class GradientExchange:
         pre = self._preconditioner(p)
         return p.grad if pre is None else p.grad * pre
 
-    def grads_by_group(self):
-        """Each group's gradients, preconditioned where the optimizer has a preconditioner."""
+    def _grads_by_group(self):
+        # Only at a measured cycle's end: its preconditioners are cached until then.
         return [[self._pre(p) for p in group if p.grad is not None] for group in self._groups]
 
 
