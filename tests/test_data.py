@@ -1,6 +1,7 @@
 """ElasticSampler and AdaptiveDataLoader in one process."""
 import collections
 import io
+import logging
 import math
 
 import numpy as np
@@ -264,11 +265,12 @@ def test_epochs_by_progress_needs_an_optimizer():
         loader.autoscale_batch_size(8, epochs_by_progress=1)
 
 
-def test_decisions_come_every_decide_every_steps_across_short_epochs():
+def test_decisions_come_every_decide_every_steps_across_short_epochs(caplog):
     # 8 steps per pass and decide_every=10: a per-pass step count never
     # reaches 10, so only a count kept across epochs (each pass's last step
-    # included) decides at steps 10, 20, 30. Noise-only gradients make the
-    # largest batch the best choice.
+    # included) decides at steps 10, 20, 30. Rank 0 logs every decision (an
+    # unchanged one at debug level); what it chooses depends on measured step
+    # times, so only when decisions come is checked.
     from torch.utils.data import TensorDataset
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(50))
@@ -277,19 +279,22 @@ def test_decisions_come_every_decide_every_steps_across_short_epochs():
                                 shuffle=True)
     loader.autoscale_batch_size(128, decide_every=10)
     hvd_adapt.State(optimizer=opt, loader=loader)
-    changes, steps, size = [], 0, 8
+    caplog.set_level(logging.DEBUG, logger="hvd_adapt")
+
+    def decisions_logged():
+        return sum("batch size" in record.getMessage() for record in caplog.records)
+
+    decided_at, steps = [], 0
     while steps < 40:
         for (x,) in loader:
-            if loader.current_batch_size != size:
-                changes.append((steps, loader.current_batch_size))
-                size = loader.current_batch_size
+            decided_at += [steps] * (decisions_logged() - len(decided_at))
             opt.zero_grad()
             (x @ w).mean().backward()
             opt.step()
             steps += loader.is_optim_step()
-    assert changes and changes[0][0] == 10, changes
-    assert all(step in (10, 20, 30) for step, _ in changes), changes
-    assert changes[-1][1] > 8, changes
+            if steps == 40:
+                break
+    assert decided_at == [0, 10, 20, 30], decided_at
 
 
 def test_autoscaling_rank_loads_scipy_before_training():

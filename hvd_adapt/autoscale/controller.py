@@ -196,8 +196,7 @@ class Controller:
             forced = self._choice is None or self._choice[2] != size
             choice, prediction = self.policy.decide(self.profile, self.grad_params(),
                                                     env.num_nodes(), size, before, forced)
-            if tuple(choice) != tuple(before):
-                self._log_decision(before, choice, prediction, size)
+            self._log_decision(before, choice, prediction, size)
         if size > 1:
             # Rank 0 may have spent a while fitting the throughput model.
             collective.barrier()
@@ -209,8 +208,11 @@ class Controller:
         new = size * choice[0] * (choice[1] + 1)
         why = "" if prediction is None else \
             f", predicted goodput x{prediction[0]:.2f}, gain {prediction[1]:.2f}"
-        log.info("batch size %d -> %d: local %d x %d accumulation step(s) x %d replica(s)%s",
-                 old, new, choice[0], choice[1], size, why)
+        # Unchanged choices are logged at debug level: they show that a
+        # decision came when due even though nothing changed.
+        level = logging.INFO if tuple(choice) != tuple(before) else logging.DEBUG
+        log.log(level, "batch size %d -> %d: local %d x %d accumulation step(s) x %d "
+                "replica(s)%s", old, new, choice[0], choice[1], size, why)
 
     def grad_params(self):
         """The noise scale's :class:`~hvd_adapt.goodput.GradParams`, or None before any estimate."""
