@@ -87,6 +87,40 @@ def test_noise_measurement_keeps_half_precision_gradients_exact():
         [exact, 0.0], rel=1e-5)
 
 
+def test_total_sqnorm_divides_where_a_denominator_is_given():
+    gen = torch.Generator().manual_seed(0)
+    a, b, d = (torch.randn(*shape, generator=gen) for shape in [(30, 4), (7,), (30, 4)])
+    d = d.abs() + 0.5
+    expected = float(((a.double() / d.double()) ** 2).sum() + (b.double() ** 2).sum())
+    got = noise.total_sqnorm([a, b], [d, None])
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(expected, rel=1e-6)
+    assert float(noise.total_sqnorm([a, b])) == pytest.approx(
+        float((a.double() ** 2).sum() + (b.double() ** 2).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("device,capturable", [
+    ("cpu", False),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                        reason="needs a CUDA device"))])
+def test_adam_denominators_are_what_its_update_divides_by(device, capturable):
+    # capturable Adam keeps its step on the device: the denominators are then
+    # taken there too, without reading the step on the host.
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=device)),
+              torch.nn.Parameter(torch.randn(5, device=device))]
+    opt = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.99), eps=1e-3, capturable=capturable)
+    for _ in range(3):
+        opt.zero_grad()
+        sum((p ** 3).sum() for p in params).backward()
+        opt.step()
+    denominators = noise.adam_denominators([opt.state[p] for p in params] + [{}],
+                                           opt.param_groups[0])
+    assert denominators[-1] is None
+    for p, denominator in zip(params, denominators):
+        expected = (opt.state[p]["exp_avg_sq"] / (1 - 0.99 ** 3)).sqrt() + 1e-3
+        torch.testing.assert_close(denominator, expected)
+
+
 def test_gain_follows_updates_and_restores():
     gns = GradientNoiseScale()
     assert gns.gain(64, 32) == 1.0
@@ -118,7 +152,7 @@ def test_local_norms_travel_in_the_gradients_dtype_when_it_holds_them():
     assert noise.stats_dtype(params(torch.float32, torch.float16)) == torch.float64
 
 
-def test_adams_preconditioner_is_computed_once_per_measured_cycle(monkeypatch):
+def test_adams_denominators_are_computed_once_per_measured_cycle(monkeypatch):
     # It serves the micro-batch norms in the hooks and the mean gradient's after
     # them; computed for each, it cost a quarter of a small transformer's step.
     import hvd_adapt
@@ -127,10 +161,10 @@ def test_adams_preconditioner_is_computed_once_per_measured_cycle(monkeypatch):
     hvd_adapt.init()
     calls = []
 
-    def counted(state, group):
-        calls.append(1)
-        return noise.adam_preconditioner(state, group)
-    monkeypatch.setattr(distributed, "adam_preconditioner", counted)
+    def counted(states, group):
+        calls.extend(state for state in states if state)
+        return noise.adam_denominators(states, group)
+    monkeypatch.setattr(distributed, "adam_denominators", counted)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),

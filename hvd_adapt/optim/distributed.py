@@ -18,7 +18,7 @@ from .._runtime import collective, env
 from ..autoscale.controller import SPLIT_EVERY, Controller
 from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
-from .noise import GradientNoiseScale, adam_preconditioner
+from .noise import GradientNoiseScale, adam_denominators
 from .scaling_rules import ScalingRule, default_rule
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self._group_of = {p: group for group in self.optimizer.param_groups
                           for p in group["params"]}
         self._exchange = GradientExchange(self.optimizer.param_groups, self._plan_cycle,
-                                          self._preconditioner, self._compression, self._op,
+                                          self._denominators, self._compression, self._op,
                                           self._predivide, self._bucket_cap_mb)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
@@ -192,9 +192,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         several = replicas > 1 or not last or self._exchange.cycle_open
         return Cycle(last, self._measuring() and several, replicas)
 
-    def _preconditioner(self, p):
-        state = self.optimizer.state.get(p)
-        return adam_preconditioner(state, self._group_of[p]) if state else None
+    def _denominators(self, params):
+        by_group = {}
+        for p in params:
+            group = self._group_of[p]
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        out = {}
+        for group, members in by_group.values():
+            states = [self.optimizer.state.get(p, {}) for p in members]
+            out.update(zip(members, adam_denominators(states, group)))
+        return out
 
     # -- Horovod's names -----------------------------------------------------------------
     def synchronize(self):

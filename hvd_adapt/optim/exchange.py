@@ -16,8 +16,10 @@ every rank holds the same gradients: clipping, ``GradScaler.unscale_`` and its s
 decision see averaged values, and a rank that then skips ``step()`` leaves
 no collective behind.
 
-The squared norms the noise scale needs are taken in the hooks, on the
-device, before anything is averaged.
+The squared norms the noise scale needs are taken on the device before
+anything is averaged: a bucket's together, just before its allreduce starts,
+where ``.grad`` holds one micro-batch's gradient (the first micro-step of a
+cycle), else each gradient in its hook before it is accumulated.
 """
 import contextlib
 import functools
@@ -28,7 +30,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from torch.autograd import Variable
 
-from .noise import group_sqnorms, sqnorm, stats_dtype
+from .noise import group_sqnorms, sqnorm, stats_dtype, total_sqnorm
 
 
 class Cycle:
@@ -56,24 +58,25 @@ class GradientExchange:
     """Hooks on every trainable parameter of ``param_groups`` that average gradients.
 
     ``plan()`` returns the :class:`Cycle` for the backward pass starting;
-    ``precondition(p)`` a tensor to multiply p's gradient by before its norm
-    is taken, or None. After the last micro-step's backward, :attr:`stats`
+    ``denominators(params)`` a dict from each of ``params`` to the tensor its
+    gradient is divided by before its norm is taken, or None. After the last micro-step's backward, :attr:`stats`
     holds its :class:`Measurement` when one was taken (else None),
     :attr:`finished` its :class:`Cycle`, and
     :attr:`sync_seconds` the time spent waiting for the allreduces; the
     optimizer takes them with :meth:`take_finished`.
     """
 
-    def __init__(self, param_groups, plan, precondition, compression, op,
+    def __init__(self, param_groups, plan, denominators, compression, op,
                  gradient_predivide_factor, bucket_cap_mb=None):
         self._groups = [[p for p in group["params"] if p.requires_grad] for group in param_groups]
+        self._group_index = {p: index for index, group in enumerate(self._groups) for p in group}
         # One grouped allreduce per bucket: on small models per-tensor
         # operations cost more than they overlap (benchmarks/RESULTS.md).
         # Made at the first backward, when the parameters are on their device.
         self._bucket_cap_mb = bucket_cap_mb
         self._buckets = self._bucket_of = self._ready = None
         self._plan = plan
-        self._precondition = precondition
+        self._compute_denominators = denominators
         self._compression = compression
         self._op = op
         self._predivide = gradient_predivide_factor
@@ -81,11 +84,14 @@ class GradientExchange:
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
         self._handles = {}
-        # Each parameter's preconditioner while a measured cycle is under way:
+        # Parameters whose .grad will hold this micro-batch's gradient alone
+        # once accumulated: their norms are taken a bucket at a time.
+        self._pending = set()
+        # Each parameter's denominator while a measured cycle is under way:
         # optimizer state changes only at step(), so the one taken for a
         # micro-batch's norm serves the cycle's other micro-batches and the
         # mean gradient's norm (Adam's costs several passes over the tensor).
-        self._preconditioners = {}
+        self._denominators = {}
         self.stats = None
         self.finished = None
         self.sync_seconds = 0.0
@@ -111,7 +117,8 @@ class GradientExchange:
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
         self._handles = {}
-        self._preconditioners = {}
+        self._pending = set()
+        self._denominators = {}
         if self._buckets is not None:
             self._ready = [0] * len(self._buckets)
         self.take_finished()
@@ -147,12 +154,31 @@ class GradientExchange:
         if self._cycle is None:
             self._start_backward()
         if self._cycle.measure:
-            pre = self._preconditioner(p)
-            if self._micro_sqr is None:
-                self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
-                                              device=grad.device)
-            self._micro_sqr[group_index] += sqnorm(grad if pre is None else grad * pre)
+            if self._micro_steps == 0 and p.grad is None:
+                self._pending.add(p)
+            else:
+                denominator = self._denominators_of([p])[0]
+                self._add_micro_sqr(group_index,
+                                    sqnorm(grad if denominator is None else grad / denominator))
         return None
+
+    def _add_micro_sqr(self, group_index, value):
+        if self._micro_sqr is None:
+            self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
+                                          device=value.device)
+        self._micro_sqr[group_index] += value
+
+    def _measure_pending(self, params):
+        """Add the micro-batch norms of those of ``params`` whose ``.grad`` is this
+        micro-batch's gradient alone, with a few multi-tensor operations per group."""
+        by_group = {}
+        for p in params:
+            if p in self._pending:
+                self._pending.discard(p)
+                by_group.setdefault(self._group_index[p], []).append(p)
+        for group_index, members in by_group.items():
+            self._add_micro_sqr(group_index, total_sqnorm(
+                [p.grad for p in members], self._denominators_of(members)))
 
     def _on_accumulated(self, p):
         if self._cycle is None:
@@ -164,6 +190,7 @@ class GradientExchange:
             # carries the local norms: one Horovod operation fewer a step.
             deferred = self._cycle.measure and index == len(self._buckets) - 1
             if self._ready[index] == len(self._buckets[index]) and not deferred:
+                self._measure_pending(self._buckets[index])
                 self._start_allreduce(index, self._micro_steps + 1)
 
     def _start_allreduce(self, index, micro, extra=None):
@@ -185,6 +212,7 @@ class GradientExchange:
 
     def _end_backward(self):
         cycle, self._cycle = self._cycle, None
+        self._measure_pending(list(self._pending))
         if not cycle.last:
             self._micro_steps += 1
             return
@@ -227,9 +255,8 @@ class GradientExchange:
         self.finished = cycle
         self.stats = None
         if local is not None:
-            self.stats = Measurement(local, group_sqnorms(self._grads_by_group()),
-                                     micro * cycle.replicas)
-        self._preconditioners = {}
+            self.stats = Measurement(local, self._mean_sqnorms(), micro * cycle.replicas)
+        self._denominators = {}
 
     def synchronize(self):
         """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages.
@@ -246,18 +273,17 @@ class GradientExchange:
                     p.grad.copy_(self._compression.decompress(output, ctx))
         return carried
 
-    def _preconditioner(self, p):
-        if p not in self._preconditioners:
-            self._preconditioners[p] = self._precondition(p)
-        return self._preconditioners[p]
+    def _denominators_of(self, params):
+        missing = [p for p in params if p not in self._denominators]
+        if missing:
+            self._denominators.update(self._compute_denominators(missing))
+        return [self._denominators[p] for p in params]
 
-    def _pre(self, p):
-        pre = self._preconditioner(p)
-        return p.grad if pre is None else p.grad * pre
-
-    def _grads_by_group(self):
-        # Only at a measured cycle's end: its preconditioners are cached until then.
-        return [[self._pre(p) for p in group if p.grad is not None] for group in self._groups]
+    def _mean_sqnorms(self):
+        # Only at a measured cycle's end: its denominators are cached until then.
+        groups = [[p for p in group if p.grad is not None] for group in self._groups]
+        return group_sqnorms([[p.grad for p in group] for group in groups],
+                             [self._denominators_of(group) for group in groups])
 
 
 @contextlib.contextmanager
