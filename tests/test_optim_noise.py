@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hvd_adapt import GradientNoiseScale
-from hvd_adapt.autoscale.controller import SPLIT_EVERY
+from hvd_adapt.autoscale.controller import MEASURE_EVERY
 from hvd_adapt.optim import noise
 from launch import run_ranks
 
@@ -52,9 +52,9 @@ def test_optimizer_estimates_on_one_replica(accumulate):
                     args=["--accumulate"] if accumulate else []).check()
     rep = job.reports[0]
     assert rep["accum"] == (3 if accumulate else 0)
-    # 24000 samples, 16 per optimizer step; alone and without accumulation,
-    # one step in SPLIT_EVERY is measured on its two halves.
-    assert rep["updates"] == (1500 if accumulate else 1500 // SPLIT_EVERY)
+    # 24000 samples, 16 per optimizer step, one step in MEASURE_EVERY measured
+    # (alone and without accumulation, on its two halves).
+    assert rep["updates"] == 1500 // MEASURE_EVERY
     assert rep["sqr"] == pytest.approx(rep["true_sqr"], rel=0.10)
     assert rep["trace"] == pytest.approx(rep["true_trace"], rel=0.10)
 

@@ -25,14 +25,16 @@ from .profile import StepProfile
 
 log = logging.getLogger(__name__)
 
-# With one replica and no accumulation there is no second gradient of the
-# same weights to measure the noise with, so one optimizer step in this many
-# is loaded as two half batches, an accumulation cycle of two. (Consecutive
-# steps' gradients also differ by the weights' drift between them, which
-# inflated tr(Sigma) by about 1 + lr*curvature.) The smoothed estimate spans
-# hundreds of steps, so sampling it loses little, and a half batch costs
-# little more than half a step.
-SPLIT_EVERY = 4
+# The noise is measured on one optimizer step in this many, each measurement
+# standing for the steps until the next: the smoothed estimate spans hundreds
+# of steps, so sampling it loses little, and measuring every step cost a
+# small transformer a tenth of its step at two replicas. With one replica and
+# no accumulation there is no second gradient of the same weights to measure
+# with, so the measured step is loaded as two half batches, an accumulation
+# cycle of two. (Consecutive steps' gradients also differ by the weights'
+# drift between them, which inflated tr(Sigma) by about 1 + lr*curvature.) A
+# half batch costs little more than half a step.
+MEASURE_EVERY = 4
 # Each half holds at least 2 samples: BatchNorm refuses a batch of one.
 MIN_SPLIT_BSZ = 4
 
@@ -157,10 +159,10 @@ class Controller:
 
     def steps_to_split(self, num_steps):
         """Which of the next ``num_steps`` optimizer steps to load as two halves (offsets
-        from the next one): one in ``SPLIT_EVERY`` while :meth:`splits_steps`."""
+        from the next one): one in ``MEASURE_EVERY`` while :meth:`splits_steps`."""
         if not self.splits_steps():
             return range(0)
-        return range((-self._optim_steps) % SPLIT_EVERY, num_steps, SPLIT_EVERY)
+        return range((-self._optim_steps) % MEASURE_EVERY, num_steps, MEASURE_EVERY)
 
     def is_optim_step(self):
         """True when the batch just handed out ends an accumulation cycle."""

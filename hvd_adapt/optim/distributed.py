@@ -15,7 +15,7 @@ import torch
 from horovod.torch.functions import broadcast_parameters
 
 from .._runtime import collective, env
-from ..autoscale.controller import SPLIT_EVERY, Controller
+from ..autoscale.controller import MEASURE_EVERY, Controller
 from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
 from .noise import GradientNoiseScale, adam_denominators
@@ -188,9 +188,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         last = controller is None or controller.is_optim_step()
         replicas = env.size()
         # One replica measures only cycles of several micro-steps (the loader
-        # splits a step in SPLIT_EVERY when there is no accumulation).
+        # splits a step in MEASURE_EVERY when there is no accumulation).
         several = replicas > 1 or not last or self._exchange.cycle_open
-        return Cycle(last, self._measuring() and several, replicas)
+        measure = self._measuring() and several
+        if measure and not controller.splits_steps():
+            # Every rank counts the same cycles since the last sync, so all
+            # agree on which cycle carries the norms with its last bucket.
+            measure = self._exchange.cycles_since_sync % MEASURE_EVERY == 0
+        return Cycle(last, measure, replicas)
 
     def _denominators(self, params):
         by_group = {}
@@ -247,10 +252,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if self._op == hvd.Sum:
             total = total / cycle.replicas ** 2
         controller = self._controller
-        micro_bsz, samples = controller.local_bsz, None
+        # Each measurement stands for the MEASURE_EVERY steps until the next.
+        micro_bsz = controller.local_bsz
+        samples = MEASURE_EVERY * stats.num_micro * micro_bsz
         if controller.split_micro_bsz is not None:
-            # Two halves of one step, standing for the SPLIT_EVERY steps until the next.
-            micro_bsz, samples = controller.split_micro_bsz, SPLIT_EVERY * controller.local_bsz
+            # Two halves of one step.
+            micro_bsz, samples = controller.split_micro_bsz, MEASURE_EVERY * controller.local_bsz
         self.gns.update(local, total, micro_bsz, stats.num_micro, controller.init_batch_size,
                         samples=samples)
 

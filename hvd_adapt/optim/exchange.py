@@ -82,6 +82,7 @@ class GradientExchange:
         self._predivide = gradient_predivide_factor
         self._cycle = None        # the plan of the backward pass under way
         self._micro_steps = 0     # backward passes so far in this accumulation cycle
+        self._cycles = 0          # cycles finished since the replicas were last synced
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
         self._handles = {}
         # Parameters whose .grad will hold this micro-batch's gradient alone
@@ -113,9 +114,16 @@ class GradientExchange:
         """True between the micro-steps of an accumulation cycle (gradients must be kept)."""
         return self._micro_steps > 0
 
+    @property
+    def cycles_since_sync(self):
+        """Accumulation cycles finished since the last :meth:`discard` (every sync and reset
+        discards): the same count on every replica."""
+        return self._cycles
+
     def discard(self):
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
+        self._cycles = 0
         self._handles = {}
         self._pending = set()
         self._denominators = {}
@@ -218,6 +226,7 @@ class GradientExchange:
             return
         micro = self._micro_steps + 1
         self._micro_steps = 0
+        self._cycles += 1
         params = [p for group in self._groups for p in group]
         local, micro_sqr, self._micro_sqr = None, self._micro_sqr, None
         extra = stats_handle = None

@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
 @pytest.mark.parametrize("autoscale", [False, True], ids=["fixed-bsz", "autoscale"])
 def test_resize_2_3_1_2_exactly_once(autoscale):
-    schedule = [(0, ["localhost:2"]), (4, ["localhost:3"]), (8, ["localhost:1"]),
-                (12, ["localhost:2"])]
-    args = ["--epochs", "3", "--batch-size", "8", "--wait-steps", "[4, 8, 12]"]
+    # Resizes at steps that are not multiples of MEASURE_EVERY: a joining worker
+    # must still measure the noise on the same steps as the survivors.
+    schedule = [(0, ["localhost:2"]), (5, ["localhost:3"]), (10, ["localhost:1"]),
+                (15, ["localhost:2"])]
+    args = ["--epochs", "3", "--batch-size", "8", "--wait-steps", "[5, 10, 15]"]
     if autoscale:
         args.append("--autoscale")
     # Without OMP_NUM_THREADS torch's threads follow the world: each of the

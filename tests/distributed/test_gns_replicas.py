@@ -1,6 +1,7 @@
 """Gradient noise scale measured by two real Horovod replicas."""
 import pytest
 
+from hvd_adapt.autoscale.controller import MEASURE_EVERY
 from launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -14,6 +15,10 @@ def test_two_replicas_estimate_known_statistics(accumulate):
     first, second = job.reports[0], job.reports[1]
     # Every replica computes the same estimate from the same allreduced norms.
     assert first["sqr"] == second["sqr"] and first["trace"] == second["trace"]
+    # 24000 samples, 16 per optimizer step: one step in MEASURE_EVERY measured, the
+    # count restarting when the first step syncs the replicas (no State.sync here).
+    assert first["updates"] == second["updates"]
+    assert abs(first["updates"] - 1500 // MEASURE_EVERY) <= 1, first["updates"]
     assert first["sqr"] == pytest.approx(first["true_sqr"], rel=0.10)
     assert first["trace"] == pytest.approx(first["true_trace"], rel=0.10)
 

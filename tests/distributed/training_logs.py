@@ -39,10 +39,12 @@ def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES):
 
 
 def check_identical_replicas(commits):
-    """After every optimizer step, every rank of the world held the same parameters."""
+    """After every optimizer step, every rank of the world held the same parameters and
+    noise-scale estimate (all ranks measured the same steps)."""
     by_step = collections.defaultdict(set)
     for entry in commits:
         if entry["optim"]:
-            by_step[(entry["step"], entry["size"])].add(entry["params"])
+            noise = json.dumps(entry.get("noise"))
+            by_step[(entry["step"], entry["size"])].add((entry["params"], noise))
     differing = {key: len(hashes) for key, hashes in by_step.items() if len(hashes) > 1}
     assert by_step and not differing, f"replicas differ at (step, size): {differing}"

@@ -149,6 +149,8 @@ def main():
                 log.pending.append({"epoch": epoch, "indices": real.tolist(), "rank": hvd.rank(),
                                     "size": hvd.size(), "step": state.step, "host": host,
                                     "params": params_digest(model),
+                                    "noise": [opt.gns.num_updates, opt.gns.sqr.tolist(),
+                                              opt.gns.trace.tolist()],
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
                                     "optim": loader.is_optim_step(), "time": time.time(),
