@@ -52,8 +52,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     ``step()`` updates the gradient noise scale and steps the wrapped
     optimizer with its lr scaled by ``scaling_rule`` (default: AdaScale,
     AdamScale for Adam-like optimizers); a step that is skipped counts
-    neither as progress nor as a noise sample. The noise scale is measured
-    when ``measure_noise`` is True, or (the default, None) when the loader
+    neither as progress nor as a noise sample. The noise scale is measured,
+    on one optimizer step in four (each measurement standing for four), when
+    ``measure_noise`` is True, or (the default, None) when the loader
     autoscales its batch size; for Adam-like optimizers in the space their
     second moment preconditions. Pass ``grad_scaler`` (a
     ``torch.amp.GradScaler``) so that the measurements are divided by its
