@@ -59,9 +59,9 @@ class GradientExchange:
 
     ``plan()`` returns the :class:`Cycle` for the backward pass starting;
     ``denominators(params)`` a dict from each of ``params`` to the tensor its
-    gradient is divided by before its norm is taken, or None. After the last micro-step's backward, :attr:`stats`
-    holds its :class:`Measurement` when one was taken (else None),
-    :attr:`finished` its :class:`Cycle`, and
+    gradient is divided by before its norm is taken, or None. After the last
+    micro-step's backward, :attr:`stats` holds its :class:`Measurement` when
+    one was taken (else None), :attr:`finished` its :class:`Cycle`, and
     :attr:`sync_seconds` the time spent waiting for the allreduces; the
     optimizer takes them with :meth:`take_finished`.
     """
@@ -86,8 +86,9 @@ class GradientExchange:
         self._micro_sqr = None    # per group, summed over this cycle's micro-batches
         self._handles = {}
         # Parameters whose .grad will hold this micro-batch's gradient alone
-        # once accumulated: their norms are taken a bucket at a time.
-        self._pending = set()
+        # once accumulated: their norms are taken a bucket at a time. A dict
+        # keeps backward's order, so the sums are the same from run to run.
+        self._pending = {}
         # Each parameter's denominator while a measured cycle is under way:
         # optimizer state changes only at step(), so the one taken for a
         # micro-batch's norm serves the cycle's other micro-batches and the
@@ -125,7 +126,7 @@ class GradientExchange:
         self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
         self._cycles = 0
         self._handles = {}
-        self._pending = set()
+        self._pending = {}
         self._denominators = {}
         if self._buckets is not None:
             self._ready = [0] * len(self._buckets)
@@ -163,7 +164,7 @@ class GradientExchange:
             self._start_backward()
         if self._cycle.measure:
             if self._micro_steps == 0 and p.grad is None:
-                self._pending.add(p)
+                self._pending[p] = None
             else:
                 denominator = self._denominators_of([p])[0]
                 self._add_micro_sqr(group_index,
@@ -182,7 +183,7 @@ class GradientExchange:
         by_group = {}
         for p in params:
             if p in self._pending:
-                self._pending.discard(p)
+                del self._pending[p]
                 by_group.setdefault(self._group_index[p], []).append(p)
         for group_index, members in by_group.items():
             self._add_micro_sqr(group_index, total_sqnorm(
