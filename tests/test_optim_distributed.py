@@ -1,9 +1,9 @@
 """The optimizer in one process with the recipes users run on it."""
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 import hvd_adapt
+from small_jobs import linear_classifier
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -14,16 +14,10 @@ def _init():
 def amp_run(measure_noise, gated):
     """bf16 autocast, GradScaler, clipping, SGD with weight decay, 8 steps of 8 samples;
     ``gated``: unscale, clip, step and update only when a batch ends an optimizer step."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(6, 3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    opt = hvd_adapt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+    model, opt, loader = linear_classifier(
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
         measure_noise=measure_noise, grad_scaler=scaler)
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(64, 6, generator=gen), torch.randint(3, (64,), generator=gen))
-    loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=8)
-    hvd_adapt.State(model=model, optimizer=opt, loader=loader)
     for x, y in loader:
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):

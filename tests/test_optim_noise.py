@@ -157,7 +157,7 @@ def test_adams_denominators_are_computed_once_per_measured_cycle(monkeypatch):
     # them; computed for each, it cost a quarter of a small transformer's step.
     import hvd_adapt
     import hvd_adapt.optim.distributed as distributed
-    from torch.utils.data import TensorDataset
+    from small_jobs import linear_classifier
     hvd_adapt.init()
     calls = []
 
@@ -165,14 +165,8 @@ def test_adams_denominators_are_computed_once_per_measured_cycle(monkeypatch):
         calls.extend(state for state in states if state)
         return noise.adam_denominators(states, group)
     monkeypatch.setattr(distributed, "adam_denominators", counted)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(6, 3)
-    opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
-                                         measure_noise=True)
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(64, 6, generator=gen), torch.randint(3, (64,), generator=gen))
-    loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=8)
-    hvd_adapt.State(model=model, optimizer=opt, loader=loader)
+    model, opt, loader = linear_classifier(lambda params: torch.optim.AdamW(params, lr=0.01),
+                                           measure_noise=True)
     for x, y in loader:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
