@@ -69,3 +69,21 @@ def test_time_to_accuracy_at_two_processes(tmp_path):
 def test_resize_latency():
     out = bench("resize_latency.py", "--schedule", "1 2", "--samples", "256", timeout=180)
     assert re.search(r"^ +1 +2 +[0-9.]+", out, re.M) and re.search(r"^max_pause_s=", out, re.M)
+
+
+def test_digits_are_drawn_afresh_at_every_fetch(monkeypatch):
+    # A fixed set of warps is memorised in seconds; fresh ones keep the MLP
+    # learning for minutes. A run's seed still fixes its draws.
+    import torch
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from workloads import digits
+    train, validation = digits.make_data(0, size=0.05)
+    torch.manual_seed(0)
+    first = torch.stack([x for x, _ in train.__getitems__([0, 1, 2])])
+    again = torch.stack([x for x, _ in train.__getitems__([0, 1, 2])])
+    torch.manual_seed(0)
+    replayed = torch.stack([x for x, _ in train.__getitems__([0, 1, 2])])
+    assert not torch.allclose(first, again)
+    assert torch.equal(first, replayed)
+    assert [int(y) for _, y in train.__getitems__([0, 1, 2])] == [int(train[i][1]) for i in range(3)]
+    assert torch.equal(validation[0][0], digits.make_data(0, size=0.05)[1][0][0])
