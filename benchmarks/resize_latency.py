@@ -38,21 +38,21 @@ def main(argv=None):
     parser.add_argument("--epochs-per-size", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2048)
     args = parser.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="hvd_adapt_resize_")
-    log = os.path.join(work, "steps.jsonl")
-    env = dict(os.environ, HVD_ADAPT_DEMO_DIR=work, HVD_ADAPT_DEMO_SCHEDULE=args.schedule,
-               HVD_ADAPT_DEMO_EPOCHS_PER_SIZE=str(args.epochs_per_size),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    command = [horovodrun, "-np", args.schedule.split()[0], "--min-np", "1", "--max-np",
-               str(max(int(s) for s in args.schedule.split())), "--network-interface", "lo",
-               "--host-discovery-script", os.path.join(EXAMPLE, "discover.sh"),
-               sys.executable, os.path.join(EXAMPLE, "train.py"), "--samples", str(args.samples),
-               "--step-log", log]
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=600)
-    with open(log) as f:
-        rows = pauses([json.loads(line) for line in f])
+    with tempfile.TemporaryDirectory(prefix="hvd_adapt_resize_") as work:
+        log = os.path.join(work, "steps.jsonl")
+        env = dict(os.environ, HVD_ADAPT_DEMO_DIR=work, HVD_ADAPT_DEMO_SCHEDULE=args.schedule,
+                   HVD_ADAPT_DEMO_EPOCHS_PER_SIZE=str(args.epochs_per_size),
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        command = [horovodrun, "-np", args.schedule.split()[0], "--min-np", "1", "--max-np",
+                   str(max(int(s) for s in args.schedule.split())), "--network-interface", "lo",
+                   "--host-discovery-script", os.path.join(EXAMPLE, "discover.sh"),
+                   sys.executable, os.path.join(EXAMPLE, "train.py"), "--samples",
+                   str(args.samples), "--step-log", log]
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=600)
+        with open(log) as f:
+            rows = pauses([json.loads(line) for line in f])
     print(f"{'from':>4} {'to':>4} {'pause_s':>8}")
     for before, after, seconds in rows:
         print(f"{before:>4} {after:>4} {seconds:>8.2f}")
