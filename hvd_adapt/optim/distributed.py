@@ -31,7 +31,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     ``backward()`` and ``step()`` for every batch (sum several losses before
     the one backward: each backward pass counts as a micro-step). Gradients are averaged over replicas by
     grouped Horovod allreduces of buckets of up to ``bucket_cap_mb`` (None:
-    25 MB on GPUs, one bucket on the CPU, see ``exchange.py``), each started
+    25 MB on GPUs, 4 MB on the CPU, see ``exchange.py``), each started
     from gradient hooks once backward has produced the whole bucket, on the
     last micro-step of an accumulation cycle only (earlier
     micro-steps accumulate into ``.grad``, and ``zero_grad()`` and ``step()``

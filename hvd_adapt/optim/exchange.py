@@ -6,9 +6,11 @@ registration (roughly the order backward produces their gradients), up to
 Horovod allreduce starts as soon as all its gradients are accumulated, so
 communication overlaps the rest of backward, but only on the last micro-step
 of an accumulation cycle. By default buckets are 25 MB for GPU parameters
-and unbounded for CPU ones: on the CPU, Gloo's reductions run on the cores
-backward needs, so overlapping costs more than it saves (see
-``benchmarks/RESULTS.md``), and one grouped allreduce at the end is fastest.
+(DDP's default; NCCL runs beside the compute) and 4 MB for CPU ones: on the
+CPU, where Gloo's reductions share the cores with backward, a bucket about
+a layer's size reduced while the next layer's gradient is computed
+pipelines best: one bucket after backward, or 25 MB ones, cost more a step
+at two processes (``benchmarks/RESULTS.md``).
 Earlier micro-steps accumulate into ``.grad`` with no communication and no
 extra copy. Unlike Horovod's, the averaged gradients are waited for at the
 end of that backward pass (as DDP does), so when ``loss.backward()`` returns
@@ -31,6 +33,10 @@ from horovod.common.exceptions import HorovodInternalError
 from torch.autograd import Variable
 
 from .noise import group_sqnorms, sqnorm, stats_dtype, total_sqnorm
+
+# Default bucket caps when bucket_cap_mb is None (see the module's docstring).
+GPU_BUCKET_MB = 25
+CPU_BUCKET_MB = 4
 
 
 class Cycle:
@@ -146,7 +152,7 @@ class GradientExchange:
         params = [p for group in self._groups for p in group]
         cap = self._bucket_cap_mb
         if cap is None:
-            cap = 25 if any(p.is_cuda for p in params) else float("inf")
+            cap = GPU_BUCKET_MB if any(p.is_cuda for p in params) else CPU_BUCKET_MB
         self._buckets = _buckets(params, cap * 2 ** 20)
         self._bucket_of = {p: index for index, bucket in enumerate(self._buckets) for p in bucket}
         self._ready = [0] * len(self._buckets)
