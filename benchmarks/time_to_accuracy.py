@@ -8,7 +8,8 @@ starting at the sweep's smallest batch, bounded by its largest) train from
 Validation is read every ``read_every`` training samples with the clock
 stopped. Printed: the median seconds of every run to every target with its
 spread over seeds, then ``adaptive / best fixed`` and ``adaptive / median
-fixed``; written: a JSON of every curve and a PNG (with matplotlib).
+fixed`` (nan where no fixed run, or not the median one, reached the target);
+written: a JSON of every curve and a PNG (with matplotlib).
 
     python benchmarks/time_to_accuracy.py --workload shapes [--procs 2] [--seeds 3]
 """
@@ -127,14 +128,16 @@ def report(workload, runs):
         if not fixed or "adaptive" not in medians:
             print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells))
             continue
-        ratio_best = medians["adaptive"] / min(fixed)
-        ratio_median = medians["adaptive"] / float(np.median(fixed))
+        # No fixed run got there: a ratio of 0 would read as a measurement.
+        ratio_best = medians["adaptive"] / min(fixed) if np.isfinite(min(fixed)) else np.nan
+        median_fixed = float(np.median(fixed))
+        ratio_median = medians["adaptive"] / median_fixed if np.isfinite(median_fixed) else np.nan
         ratios[target] = (ratio_best, ratio_median)
         print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells)
               + f" {ratio_best:>14.2f} {ratio_median:>16.2f}")
     if not ratios:
         return ratios
-    worst = max(r[0] for r in ratios.values())
+    worst = max((r[0] for r in ratios.values() if not np.isnan(r[0])), default=np.nan)
     final_best, final_median = ratios[workload.targets[-1]]
     print(f"worst_adaptive_vs_best_fixed={worst:.3f} final_adaptive_vs_best_fixed={final_best:.3f}"
           f" final_adaptive_vs_median_fixed={final_median:.3f}")

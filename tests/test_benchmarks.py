@@ -1,9 +1,10 @@
-"""Smoke tests of the benchmarks at tiny sizes: they run and print their ratio lines."""
+"""The benchmarks: smoke runs at tiny sizes, the digits workload's fresh draws, the table's ratios."""
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,3 +88,19 @@ def test_digits_are_drawn_afresh_at_every_fetch(monkeypatch):
     assert torch.equal(first, replayed)
     assert [int(y) for _, y in train.__getitems__([0, 1, 2])] == [int(train[i][1]) for i in range(3)]
     assert torch.equal(validation[0][0], digits.make_data(0, size=0.05)[1][0][0])
+
+
+def test_a_target_no_fixed_run_reached_has_no_ratio(monkeypatch, capsys):
+    # Digits at two processes: every fixed run missed the final target within
+    # the cap and the adaptive run made it; "0.00" would read as a measurement.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import time_to_accuracy
+    from workloads import digits
+    reached = [(5.0, 0, 0.80, 32, 0, 1), (9.0, 0, 0.87, 32, 0, 1)]
+    missed = [(5.0, 0, 0.80, 32, 0, 1), (150.0, 0, 0.84, 32, 0, 1)]
+    ratios = time_to_accuracy.report(digits.WORKLOAD, {"fixed 32": [missed], "fixed 64": [missed],
+                                                       "adaptive": [reached]})
+    assert ratios[0.75] == (1.0, 1.0)
+    assert all(np.isnan(r) for r in ratios[0.86])
+    out = capsys.readouterr().out
+    assert "worst_adaptive_vs_best_fixed=1.000 final_adaptive_vs_best_fixed=nan" in out

@@ -23,6 +23,20 @@ def test_two_replicas_estimate_known_statistics(accumulate):
     assert first["trace"] == pytest.approx(first["true_trace"], rel=0.10)
 
 
+def test_buckets_started_mid_backward_measure_the_same_statistics():
+    # Large CPU models (4 MB buckets) and GPU ones (25 MB) average several
+    # buckets a step: each one's local norms are taken before its allreduce
+    # starts, and the last carries them all. Adam, so that each bucket's norms
+    # are also divided by its own denominators.
+    job = run_ranks("gns_train.py", np=2, launcher="gloo",
+                    args=["--pieces", 4, "--optimizer", "adam", "--lr", 0.01,
+                          "--samples", 16000]).check()
+    first, second = job.reports[0], job.reports[1]
+    assert first["sqr"] == second["sqr"] and first["trace"] == second["trace"]
+    assert first["sqr"] == pytest.approx(first["true_sqr"], rel=0.10)
+    assert first["trace"] == pytest.approx(first["true_trace"], rel=0.10)
+
+
 @pytest.mark.parametrize("accumulate", [False, True], ids=["replicas", "replicas+accumulation"])
 def test_adam_noise_is_measured_in_its_preconditioned_space(accumulate):
     # lr 0.01 moves the weights (and Adam's preconditioner) between steps.

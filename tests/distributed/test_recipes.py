@@ -10,8 +10,9 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("buckets", [[], ["--bucket-cap-mb", 0.002]], ids=["one-bucket", "buckets"])
 def test_clipping_sees_the_averaged_gradients(buckets):
-    # On the CPU all gradients go in one bucket by default; tiny buckets (one
-    # per parameter here) take the path GPUs take, allreduces started mid-backward.
+    # This small model fits in one bucket by default; tiny buckets (one per
+    # parameter here) take the path larger models take, allreduces started
+    # mid-backward.
     job = run_ranks("recipes_train.py", np=2, args=["--steps", 4] + buckets).check()
     first, second = job.reports[0]["steps"], job.reports[1]["steps"]
     assert [s["grads"] for s in first] == [s["grads"] for s in second]

@@ -28,22 +28,28 @@ def main():
     parser.add_argument("--problem", choices=["linear", "quadratic"], default="linear")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--lr", type=float, default=0.0)
+    parser.add_argument("--pieces", type=int, default=1,
+                        help="w as this many parameters, each a bucket of its own")
     args = parser.parse_args()
     hvd_adapt.init()
     gen = torch.Generator().manual_seed(1)
     x = MU + SIGMA * torch.randn(args.samples, DIM, generator=gen)
-    w = torch.nn.Parameter(torch.zeros(DIM))
+    pieces = [torch.nn.Parameter(torch.zeros(DIM // args.pieces)) for _ in range(args.pieces)]
     if args.optimizer == "sgd":
-        inner = torch.optim.SGD([w], lr=args.lr)
+        inner = torch.optim.SGD(pieces, lr=args.lr)
     else:
-        inner = torch.optim.Adam([w], lr=args.lr)
-    opt = hvd_adapt.DistributedOptimizer(inner, measure_noise=True)
+        inner = torch.optim.Adam(pieces, lr=args.lr)
+    # Buckets of one piece: the earlier ones' allreduces start mid-backward,
+    # after their norms are taken; the last carries the norms.
+    opt = hvd_adapt.DistributedOptimizer(inner, measure_noise=True,
+                                         bucket_cap_mb=1e-6 if args.pieces > 1 else None)
     loader = hvd_adapt.AdaptiveDataLoader(TensorDataset(x), batch_size=16, shuffle=True)
     if args.accumulate:
         # Bounds force 4 micro-batches of 4 per replica-step.
         loader.autoscale_batch_size(16, local_bsz_bounds=(1, 4), gradient_accumulation=True)
     hvd_adapt.State(model=None, optimizer=opt, loader=loader)
     for (xb,) in loader:
+        w = torch.cat(pieces)
         opt.zero_grad()
         if args.problem == "linear":
             (xb @ w).mean().backward()
@@ -52,10 +58,11 @@ def main():
         opt.step()
     true_sqr, true_trace = TRUE_SQR, TRUE_TRACE
     if args.problem == "quadratic":
-        true_sqr = float((w.detach() - MU).pow(2).sum())
+        true_sqr = float((torch.cat(pieces).detach() - MU).pow(2).sum())
     if args.optimizer == "adam":
-        state = inner.state[w]
-        pre = 1 / ((state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))).sqrt() + 1e-8)
+        states = [inner.state[p] for p in pieces]
+        pre = torch.cat([1 / ((s["exp_avg_sq"] / (1 - 0.999 ** float(s["step"]))).sqrt() + 1e-8)
+                         for s in states])
         true_sqr = float((pre ** 2 * MU ** 2).sum())
         true_trace = float((pre ** 2 * SIGMA ** 2).sum())
     report({"sqr": float(opt.gns.sqr.sum()), "trace": float(opt.gns.trace.sum()),
