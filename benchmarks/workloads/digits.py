@@ -4,9 +4,9 @@ The plain digits are learnt in a fraction of a second. Every time a training
 digit is fetched it is drawn afresh at 24x24 under a random rotation, scale
 and shift, with pixel noise, as an augmenting input pipeline would; an epoch
 visits each digit ``copies`` times. Validation draws the held-out writers the
-same way, a fixed set drawn once. The MLP has no translation invariance to lean on and never
-sees the same input twice, so it keeps learning for minutes on two cores
-instead of memorising a fixed set of warps.
+same way, once, into a fixed set. The MLP has no translation invariance to
+lean on and never sees the same input twice, so it keeps learning for
+minutes on two cores instead of memorising a fixed set of warps.
 """
 import numpy as np
 import torch
