@@ -8,11 +8,13 @@ from launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("buckets", [[], ["--bucket-cap-mb", 0.002]], ids=["one-bucket", "buckets"])
+@pytest.mark.parametrize("buckets", [[], ["--bucket-cap-mb", 0.002],
+                                     ["--bucket-cap-mb", 0.002, "--amp"]],
+                         ids=["one-bucket", "buckets", "buckets+amp"])
 def test_clipping_sees_the_averaged_gradients(buckets):
     # This small model fits in one bucket by default; tiny buckets (one per
     # parameter here) take the path larger models take, allreduces started
-    # mid-backward.
+    # mid-backward, also under bf16 autocast with a GradScaler.
     job = run_ranks("recipes_train.py", np=2, args=["--steps", 4] + buckets).check()
     first, second = job.reports[0]["steps"], job.reports[1]["steps"]
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
