@@ -22,14 +22,17 @@ def test_autoscale_hysteresis_keeps_a_close_choice():
     assert config.choose(profile, None, 1, 2, current=best, forced=False) == config.default(2)
 
 
-@pytest.mark.parametrize("intercept_share", [0.84, 0.2], ids=["overhead-bound", "compute-bound"])
-def test_autoscale_from_one_measured_size_errs_towards_trying_larger_batches(intercept_share):
+@pytest.mark.parametrize("intercept_share", [0.84, 0.5, 0.2, 0.05])
+def test_autoscale_from_one_measured_size_loses_little_whatever_the_step_time_shape(
+        intercept_share):
     # A job starts at B0 = 32 with true step time alpha + beta * bsz, the
-    # intercept's share at 32 being 0.84 (measured on the digits example) or
-    # 0.2 (per-sample compute dominates). Each decision sees the step times of
-    # every batch tried so far. Where larger batches pay, the first decision
-    # (one size measured) must already take most of the gain; where they do
-    # not, the second (the first's batch measured too) must come back.
+    # intercept's share at 32 being 0.84 (measured on the digits example)
+    # down to 0.05 (per-sample compute dominates, as in a CNN). Each decision
+    # sees the step times of every batch tried so far. One measured size
+    # cannot tell these apart: unbounded, the first decision went to 170 in
+    # every case, 0.51 of the best goodput where compute dominates. Bounded to
+    # twice the batch timed, it loses little either way, and the second
+    # decision (the first's batch timed too) finds the best.
     alpha = intercept_share * 1e-3
     beta = (1 - intercept_share) * 1e-3 / 32
     grad = GradParams(sqr=1.0, var=100.0 / 32)  # noise scale 100
@@ -43,9 +46,26 @@ def test_autoscale_from_one_measured_size_errs_towards_trying_larger_batches(int
             profile.record(1, 1, choice[0], alpha + beta * choice[0], optim=True)
         choice = config.choose(profile, grad, 1, 1, current=choice, forced=False)
         relative.append(goodput[choice[0] - 32] / goodput.max())
-    if intercept_share > 0.5:
-        assert relative[0] >= 0.95, relative
+    assert relative[0] >= 0.8, relative
     assert relative[1] >= 0.97, relative
+
+
+def test_a_choice_goes_at_most_twice_past_the_largest_batch_timed_in_its_world():
+    # Cheap steps and a large noise scale: the model wants the largest batch.
+    policy = AutoscalePolicy.create(32, 4096, (8, 2048), gradient_accumulation=True)
+    grad = GradParams(sqr=1.0, var=1000.0)
+    profile = StepProfile()
+    for _ in range(4):
+        profile.record(1, 2, 16, 0.010, optim=True)
+        profile.record_sync(1, 2, 16, 0.002)
+    local, accum = policy.choose(profile, grad, 1, 2, current=(16, 0), forced=False)
+    assert local == 32, (local, accum)
+    for _ in range(4):
+        profile.record(1, 2, 32, 0.011, optim=True)
+        profile.record_sync(1, 2, 32, 0.002)
+    assert policy.choose(profile, grad, 1, 2, current=(32, 0), forced=False)[0] == 64
+    # A world that timed nothing yet is bounded by what any world timed.
+    assert policy.choose(profile, grad, 1, 3, current=(11, 0), forced=True)[0] <= 64
 
 
 def test_autoscale_fits_the_current_world_alone_once_it_measured_two_sizes():

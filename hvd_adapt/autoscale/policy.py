@@ -24,16 +24,24 @@ class AutoscalePolicy:
     ``hysteresis``: the current choice is kept unless another is predicted
     to be more than this fraction better, so measurement noise does not make
     the job hop between two near-equal batch sizes.
+
+    ``explore_factor``: a choice's local batch is at most this many times the
+    largest one timed in the current world (in any world before this one
+    timed a step). Step times beyond it are the throughput model's
+    extrapolation, which a fit to one or two sizes gets wrong both ways; a
+    bounded step costs at most one ``decide_every`` interval at a batch that
+    turns out too large, and the next decision, having timed it, goes on.
     """
 
     def __init__(self, init_batch_size, max_batch_size, local_bsz_bounds, gradient_accumulation,
-                 decide_every, hysteresis=0.05):
+                 decide_every, hysteresis=0.05, explore_factor=2.0):
         self.init_batch_size = init_batch_size
         self.max_batch_size = max_batch_size
         self.local_bsz_bounds = local_bsz_bounds
         self.gradient_accumulation = gradient_accumulation
         self.decide_every = decide_every
         self.hysteresis = hysteresis
+        self.explore_factor = explore_factor
 
     @classmethod
     def create(cls, init_batch_size, max_batch_size, local_bsz_bounds=None,
@@ -85,7 +93,9 @@ class AutoscalePolicy:
         (None before any measurement: then the default is kept). ``current``
         is kept unless beaten by more than ``hysteresis``, or ``forced`` (after
         a resize). The throughput model is fitted to every world's steps, or to
-        this world's alone once it has measured two batch sizes of its own.
+        this world's alone once it has measured two batch sizes of its own;
+        the local batch goes at most ``explore_factor`` times past the largest
+        one timed.
         """
         return self.decide(profile, grad_params, num_nodes, num_replicas, current, forced)[0]
 
@@ -97,6 +107,9 @@ class AutoscalePolicy:
             return self.default(num_replicas), None
         data = profile.arrays()
         here = (data["num_nodes"] == num_nodes) & (data["num_replicas"] == num_replicas)
+        timed = data["atomic_bsz"][here] if here.any() else data["atomic_bsz"]
+        lo, hi = self.local_bsz_bounds
+        bounds = (lo, max(lo, min(hi, math.floor(self.explore_factor * timed.max()))))
         if len(np.unique(data["atomic_bsz"][here])) >= 2:
             # The model's compute time is the same in every world, which
             # replicas sharing cores or memory bandwidth break. The choice is
@@ -106,7 +119,7 @@ class AutoscalePolicy:
                                data["accum_step_time"], data["optim_step_time"])
         fn = GoodputFunction(perf, grad_params, self.init_batch_size)
         goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, self.max_batch_size,
-                                             self.local_bsz_bounds, self.gradient_accumulation)
+                                             bounds, self.gradient_accumulation)
         if goodput <= 0:
             return self.default(num_replicas), None
         current_goodput = float(fn.evaluate(num_nodes, num_replicas, current[0], current[1]))
