@@ -50,7 +50,7 @@ def test_autoscale_from_one_measured_size_loses_little_whatever_the_step_time_sh
     assert relative[1] >= 0.97, relative
 
 
-def test_a_choice_goes_at_most_twice_past_the_largest_batch_timed_in_its_world():
+def test_a_choice_at_most_doubles_the_batch_and_the_largest_local_batch_timed():
     # Cheap steps and a large noise scale: the model wants the largest batch.
     policy = AutoscalePolicy.create(32, 4096, (8, 2048), gradient_accumulation=True)
     grad = GradParams(sqr=1.0, var=1000.0)
@@ -66,6 +66,17 @@ def test_a_choice_goes_at_most_twice_past_the_largest_batch_timed_in_its_world()
     assert policy.choose(profile, grad, 1, 2, current=(32, 0), forced=False)[0] == 64
     # A world that timed nothing yet is bounded by what any world timed.
     assert policy.choose(profile, grad, 1, 3, current=(11, 0), forced=True)[0] <= 64
+    # Accumulation steps never run are extrapolated too: the global batch at
+    # most doubles the current one (or the replicas times the largest local
+    # batch timed), however it is made up.
+    accumulating = AutoscalePolicy.create(32, 4096, (8, 16), gradient_accumulation=True)
+    profile = StepProfile()
+    for _ in range(4):
+        profile.record(1, 2, 16, 0.010, optim=True)
+        profile.record_sync(1, 2, 16, 0.002)
+    for current, most in (((8, 0), 64), ((16, 1), 128), ((16, 3), 256)):
+        local, accum = accumulating.choose(profile, grad, 1, 2, current=current, forced=True)
+        assert 2 * local * (accum + 1) == most, (current, local, accum)
 
 
 def test_autoscale_fits_the_current_world_alone_once_it_measured_two_sizes():

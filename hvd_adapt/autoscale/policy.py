@@ -25,12 +25,15 @@ class AutoscalePolicy:
     to be more than this fraction better, so measurement noise does not make
     the job hop between two near-equal batch sizes.
 
-    ``explore_factor``: a choice's local batch is at most this many times the
-    largest one timed in the current world (in any world before this one
-    timed a step). Step times beyond it are the throughput model's
-    extrapolation, which a fit to one or two sizes gets wrong both ways; a
-    bounded step costs at most one ``decide_every`` interval at a batch that
-    turns out too large, and the next decision, having timed it, goes on.
+    ``explore_factor``: a choice's local batch is at most this many times
+    the largest one timed in the current world (in any world before this
+    one timed a step), and its global batch at most this many times the
+    current one or the replicas times that largest local batch. Step times
+    beyond what was timed, and accumulation steps never run, are the
+    throughput model's extrapolation, which a fit to one or two sizes gets
+    wrong both ways; a bounded step costs at most one ``decide_every``
+    interval at a batch that turns out too large, and the next decision,
+    having timed it, goes on.
     """
 
     def __init__(self, init_batch_size, max_batch_size, local_bsz_bounds, gradient_accumulation,
@@ -94,8 +97,8 @@ class AutoscalePolicy:
         is kept unless beaten by more than ``hysteresis``, or ``forced`` (after
         a resize). The throughput model is fitted to every world's steps, or to
         this world's alone once it has measured two batch sizes of its own;
-        the local batch goes at most ``explore_factor`` times past the largest
-        one timed.
+        the global batch grows at most ``explore_factor`` times per decision,
+        and the local batch goes at most as far past the largest one timed.
         """
         return self.decide(profile, grad_params, num_nodes, num_replicas, current, forced)[0]
 
@@ -110,6 +113,9 @@ class AutoscalePolicy:
         timed = data["atomic_bsz"][here] if here.any() else data["atomic_bsz"]
         lo, hi = self.local_bsz_bounds
         bounds = (lo, max(lo, min(hi, math.floor(self.explore_factor * timed.max()))))
+        batch_now = num_replicas * max(current[0] * (current[1] + 1), timed.max())
+        max_batch = min(self.max_batch_size,
+                        max(self.init_batch_size, math.floor(self.explore_factor * batch_now)))
         if len(np.unique(data["atomic_bsz"][here])) >= 2:
             # The model's compute time is the same in every world, which
             # replicas sharing cores or memory bandwidth break. The choice is
@@ -118,7 +124,7 @@ class AutoscalePolicy:
         perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
                                data["accum_step_time"], data["optim_step_time"])
         fn = GoodputFunction(perf, grad_params, self.init_batch_size)
-        goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, self.max_batch_size,
+        goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, max_batch,
                                              bounds, self.gradient_accumulation)
         if goodput <= 0:
             return self.default(num_replicas), None

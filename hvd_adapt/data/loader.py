@@ -152,9 +152,9 @@ class AdaptiveDataLoader(Participant):
         batches per optimizer step. The choice is made on rank 0 and
         adopted by every rank: before the first batch, after every resize and
         restore, and every ``decide_every`` optimizer steps (counted across
-        epochs). A choice's atomic batch is at most twice the largest one
-        timed so far, so a job grows its batch a doubling at a time, timing
-        each size before it goes further.
+        epochs). A choice at most doubles the global batch, and its atomic
+        batch is at most twice the largest one timed, so a job grows its
+        batch a doubling at a time, timing each size before it goes further.
 
         With ``epochs_by_progress`` an epoch lasts as much training progress
         as one pass at the initial batch size: len(dataset) / batch_size
