@@ -128,10 +128,10 @@ def report(workload, runs):
         if not fixed or "adaptive" not in medians:
             print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells))
             continue
-        # No fixed run got there: a ratio of 0 would read as a measurement.
-        ratio_best = medians["adaptive"] / min(fixed) if np.isfinite(min(fixed)) else np.nan
-        median_fixed = float(np.median(fixed))
-        ratio_median = medians["adaptive"] / median_fixed if np.isfinite(median_fixed) else np.nan
+        # Where no fixed run (or not the median one) got there, a ratio of 0
+        # would read as a measurement.
+        ratio_best, ratio_median = (medians["adaptive"] / base if np.isfinite(base) else np.nan
+                                    for base in (min(fixed), float(np.median(fixed))))
         ratios[target] = (ratio_best, ratio_median)
         print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells)
               + f" {ratio_best:>14.2f} {ratio_median:>16.2f}")
