@@ -188,6 +188,9 @@ def main(argv=None):
     parser.add_argument("--workload", default="digits", choices=workloads.NAMES)
     parser.add_argument("--procs", type=int, default=1, choices=[1, 2])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds run are first-seed .. first-seed + seeds - 1 (more seeds "
+                             "for an earlier invocation's, without repeating its runs)")
     parser.add_argument("--batches", default=None,
                         help="comma-separated fixed global batches (default: the workload's)")
     parser.add_argument("--size", type=float, default=1.0,
@@ -221,6 +224,8 @@ def main(argv=None):
         return saved["runs"]
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
     if not 0 < args.size <= 1:
         parser.error(f"--size must be in (0, 1], got {args.size}")
     overrides = {}
@@ -247,7 +252,7 @@ def main(argv=None):
     runs = {name: [] for name in configs}
     started = time.time()
     # Seeds outermost, so a slow drift of the machine touches every configuration alike.
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name, config in configs.items():
             curve = launch(dict(config, seed=seed), args.procs, timeout=args.max_seconds * 4 + 300)
             runs[name].append(curve)

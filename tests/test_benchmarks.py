@@ -41,10 +41,11 @@ def test_overhead():
     ("digits", "32,64", "0.2,0.3,0.4"), ("shapes", "32,64", "0.13,0.15,0.2"),
     ("markov_text", "16,32", "3.9,3.8,3.7")])
 def test_time_to_accuracy(tmp_path, workload, batches, targets):
-    out = bench("time_to_accuracy.py", "--workload", workload, "--seeds", "1", "--batches",
-                batches, "--targets", targets, "--size", "0.05", "--max-seconds", "3",
+    out = bench("time_to_accuracy.py", "--workload", workload, "--seeds", "1", "--first-seed", "4",
+                "--batches", batches, "--targets", targets, "--size", "0.05", "--max-seconds", "3",
                 "--read-every", "256", "--out", str(tmp_path / "curves.json"), timeout=120)
     assert len(re.findall(r"^ +[0-9.]+ +[0-9.inf]+ \[", out, re.M)) == 3, out
+    assert len(re.findall(r"^\[ *\d+s\] seed 4 ", out, re.M)) == 3, out
     assert re.search(r"^worst_adaptive_vs_best_fixed=\S+ final_adaptive_vs_best_fixed=\S+ "
                      r"final_adaptive_vs_median_fixed=\S+$", out, re.M), out
     assert (tmp_path / "curves.json").exists() and (tmp_path / "curves.png").exists()
