@@ -55,3 +55,13 @@ def test_profile_ignores_bad_times_and_round_trips_through_state():
     for _ in range(64):
         copy.record(1, 2, 8, 0.5, optim=True)
     assert copy.arrays()["optim_step_time"][0] == pytest.approx(0.5)
+
+
+def test_sizes_are_the_batch_sizes_with_optimizer_steps_in_one_world():
+    p = StepProfile()
+    p.record(1, 2, 16, 0.1, optim=True)
+    p.record(1, 2, 8, 0.05, optim=False)    # an accumulation step alone times no size
+    p.record(1, 1, 32, 0.1, optim=True)
+    assert p.sizes(1, 2) == {16}
+    p.record(1, 2, 8, 0.06, optim=True)
+    assert p.sizes(1, 2) == {8, 16} and p.sizes(1, 1) == {32} and p.sizes(2, 2) == set()

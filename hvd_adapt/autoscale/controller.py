@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 # cycle of two. (Consecutive steps' gradients also differ by the weights'
 # drift between them, which inflated tr(Sigma) by about 1 + lr*curvature.) A
 # half batch costs little more than half a step.
+#
+# Several replicas split steps the same way while their world has timed one
+# local batch size only, so that its first decision knows what a step's
+# time owes to the batch: from one size the throughput model guesses, and
+# the guess (larger batches nearly free) sent a compute-bound CNN at two
+# replicas to twice its batch for a decision interval it then lost at its
+# early target (benchmarks/RESULTS.md). Splitting costs no statistical
+# efficiency, as the halves add up to the step's batch.
 MEASURE_EVERY = 4
 # Each half holds at least 2 samples: BatchNorm refuses a batch of one.
 MIN_SPLIT_BSZ = 4
@@ -58,9 +66,9 @@ class Controller:
         self._micro = 0
         self._split_first = None     # samples of a split step's first half, while it is open
         self._split_micro_bsz = None  # set on the second half, until the next batch
-        self._optim_steps = 0        # steps taken by this process (the split's phase)
+        self._times_halves = False   # rank 0's word: this world splits steps to time a half
         self._needs_decision = True
-        self._steps_since_decision = 0
+        self._steps_since_decision = 0   # the same on every rank: the splits' phase
         self._epoch_progress_start = 0.0
         self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
 
@@ -157,12 +165,26 @@ class Controller:
         return (env.size() == 1 and accum == 0 and local >= MIN_SPLIT_BSZ
                 and self._measuring is not None and self._measuring())
 
+    def times_halves(self):
+        """True when several replicas split steps to time a half batch: rank 0 found
+        one local batch size timed in this world at the last decision, and there is
+        no accumulation (whose steps would time their own size)."""
+        local, accum = self._current()
+        return (self._times_halves and self.policy is not None and env.size() > 1
+                and accum == 0 and local >= MIN_SPLIT_BSZ)
+
     def steps_to_split(self, num_steps):
         """Which of the next ``num_steps`` optimizer steps to load as two halves (offsets
-        from the next one): one in ``MEASURE_EVERY`` while :meth:`splits_steps`."""
-        if not self.splits_steps():
+        from the next one): one in ``MEASURE_EVERY``, counted from the last decision
+        (which every rank made at the same step), while :meth:`splits_steps`, or
+        until the next decision while :meth:`times_halves` (that one has timed both)."""
+        if self.splits_steps():
+            stop = num_steps
+        elif self.times_halves():
+            stop = min(num_steps, self.policy.decide_every - self._steps_since_decision)
+        else:
             return range(0)
-        return range((-self._optim_steps) % MEASURE_EVERY, num_steps, MEASURE_EVERY)
+        return range((-self._steps_since_decision) % MEASURE_EVERY, stop, MEASURE_EVERY)
 
     def is_optim_step(self):
         """True when the batch just handed out ends an accumulation cycle."""
@@ -181,7 +203,6 @@ class Controller:
     def optim_step_done(self):
         """Count one optimizer step towards ``decide_every``."""
         self._steps_since_decision += 1
-        self._optim_steps += 1
         if self.policy is not None and self._steps_since_decision >= self.policy.decide_every:
             self._needs_decision = True
 
@@ -192,17 +213,20 @@ class Controller:
         if self.policy is None:
             return
         size = env.size()
-        choice = None
+        decision = None
         if env.rank() == 0:
             before = self._current()
             forced = self._choice is None or self._choice[2] != size
             choice, prediction = self.policy.decide(self.profile, self.grad_params(),
                                                     env.num_nodes(), size, before, forced)
             self._log_decision(before, choice, prediction, size)
+            times_halves = size > 1 and len(self.profile.sizes(env.num_nodes(), size)) < 2
+            decision = (choice, times_halves)
         if size > 1:
             # Rank 0 may have spent a while fitting the throughput model.
             collective.barrier()
-            choice = collective.broadcast_object(choice, name="hvd_adapt.decision")
+            decision = collective.broadcast_object(decision, name="hvd_adapt.decision")
+        choice, self._times_halves = decision
         self._choice = (int(choice[0]), int(choice[1]), size)
 
     def _log_decision(self, before, choice, prediction, size):

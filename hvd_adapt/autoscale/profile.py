@@ -66,6 +66,11 @@ class StepProfile:
             return
         self._bucket(num_nodes, num_replicas, atomic_bsz)["sync"].append(seconds)
 
+    def sizes(self, num_nodes, num_replicas):
+        """The atomic batch sizes with optimizer steps timed in this world."""
+        return {key[2] for key, b in self._buckets.items()
+                if key[:2] == (int(num_nodes), int(num_replicas)) and b["optim"]}
+
     def __len__(self):
         return sum(1 for b in self._buckets.values() if b["optim"])
 

@@ -33,17 +33,20 @@ class _Plan(torch.utils.data.Sampler):
         return len(self._batches)
 
 
-def _split_for_noise(plan, steps_to_split):
+def _split_in_halves(plan, steps_to_split, num_replicas):
     """``(indices, world_count, half)`` for each batch of ``plan``; the steps
-    ``steps_to_split(len(plan))`` names become two batches of half the indices each
-    (one replica only, so every index is a sample and none is padding)."""
+    ``steps_to_split(len(plan))`` names become two batches of half the indices each.
+    Only full steps are split (a short last one holds padding): each replica's
+    indices are interleaved with the others' in the world's order, so the world's
+    first half is ``num_replicas`` times a replica's."""
     split = set(steps_to_split(len(plan)))
     out = []
     for step, (indices, world_count) in enumerate(plan):
-        if step in split and len(indices) >= MIN_SPLIT_BSZ:
+        if step in split and len(indices) >= MIN_SPLIT_BSZ \
+                and world_count == num_replicas * len(indices):
             middle = len(indices) // 2
-            out += [(indices[:middle], middle, True),
-                    (indices[middle:], world_count - middle, True)]
+            out += [(indices[:middle], num_replicas * middle, True),
+                    (indices[middle:], world_count - num_replicas * middle, True)]
         else:
             out.append((indices, world_count, False))
     return out
@@ -62,7 +65,10 @@ class AdaptiveDataLoader(Participant):
     While the noise scale is measured with one replica and no accumulation,
     one optimizer step in four comes as two batches of half the local batch
     (an accumulation cycle of two; the optimizer steps on the second), so
-    that two gradients of the same weights measure the noise.
+    that two gradients of the same weights measure the noise. Several
+    replicas split steps so while an autoscaling world has timed one local
+    batch size only (its first ``decide_every`` steps), so that the first
+    decision knows how step time grows with the batch.
     Only an epoch's last batch can be padded (so every rank takes the same
     number of steps); ``num_padded`` says how many of its trailing samples
     repeat others.
@@ -225,8 +231,8 @@ class AdaptiveDataLoader(Participant):
                 controller.decide()
             local, accum = controller.local_bsz, controller.accumulation_steps
             size, rank = env.size(), env.rank()
-            plan = _split_for_noise(list(self.sampler.batches(local, size, rank, self.drop_last)),
-                                    controller.steps_to_split)
+            plan = _split_in_halves(list(self.sampler.batches(local, size, rank, self.drop_last)),
+                                    controller.steps_to_split, size)
             if not plan:
                 # drop_last: what is left is less than one full step.
                 self.sampler.finish_pass()

@@ -257,8 +257,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         micro_bsz = controller.local_bsz
         samples = MEASURE_EVERY * stats.num_micro * micro_bsz
         if controller.split_micro_bsz is not None:
-            # Two halves of one step.
-            micro_bsz, samples = controller.split_micro_bsz, MEASURE_EVERY * controller.local_bsz
+            # Two halves of one step on every replica.
+            micro_bsz = controller.split_micro_bsz
+            samples = MEASURE_EVERY * controller.local_bsz * cycle.replicas
         self.gns.update(local, total, micro_bsz, stats.num_micro, controller.init_batch_size,
                         samples=samples)
 
