@@ -12,8 +12,6 @@ replica adopts the choice, is the controller's business
 """
 import math
 
-import numpy as np
-
 from .._checks import check_bool, check_int, is_int
 from ..goodput import GoodputFunction, fit_perf_params
 
@@ -116,7 +114,7 @@ class AutoscalePolicy:
         batch_now = num_replicas * max(current[0] * (current[1] + 1), timed.max())
         max_batch = min(self.max_batch_size,
                         max(self.init_batch_size, math.floor(self.explore_factor * batch_now)))
-        if len(np.unique(data["atomic_bsz"][here])) >= 2:
+        if len(profile.sizes(num_nodes, num_replicas)) >= 2:
             # The model's compute time is the same in every world, which
             # replicas sharing cores or memory bandwidth break. The choice is
             # for this world: once it has measured two sizes, fit to it alone.
