@@ -6,8 +6,9 @@ from launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-def test_replicas_time_a_half_batch_until_their_world_has_timed_two_sizes():
-    job = run_ranks("timing_halves.py", np=2, launcher="gloo").check()
+@pytest.mark.parametrize("recipe", [[], ["--amp"]], ids=["sgd-weight-decay", "adamw-bf16-scaler"])
+def test_replicas_time_a_half_batch_until_their_world_has_timed_two_sizes(recipe):
+    job = run_ranks("timing_halves.py", np=2, launcher="gloo", args=recipe).check()
     first, second = job.reports[0], job.reports[1]
     lengths = [len(ids) for _, ids in first["batches"]]
     # Both ranks split the same steps, so their accumulation cycles match.
@@ -23,3 +24,4 @@ def test_replicas_time_a_half_batch_until_their_world_has_timed_two_sizes():
                 for i in ids]
         assert sorted(seen) == list(range(512)), epoch
     assert first["params"] == second["params"]
+    assert first["optim_state"] == second["optim_state"] and first["optim_state"]
