@@ -105,7 +105,8 @@ def main(argv=None):
                             val_loader=val_loader, stats=stats, best_accuracy=0.0)
     if args.checkpoint:
         hvd_adapt.install_sigterm_drain(state, checkpoint_path=args.checkpoint)
-        if state.load_checkpoint(args.checkpoint):
+        # Collective: every rank starts from the newest checkpoint any of them sees.
+        if state.load_checkpoint(args.checkpoint) and rank == 0:
             print(f"resumed from {args.checkpoint} at epoch {state.epoch}", flush=True)
 
     writer = None

@@ -169,11 +169,58 @@ def barrier(name="hvd_adapt.barrier", contribution=0):
         return contribution
     handle = hvd.allreduce_async(torch.tensor([contribution], dtype=torch.int64), op=hvd.Sum,
                                  name=name)
+    return int(_wait_sleeping(handle)[0])
+
+
+def gather_ints(values, name):
+    """Collective: every replica's list of ints (all of one length), indexed by rank, waited
+    for as :func:`barrier` waits (sleeping), so it can stand where replicas arrive far apart.
+
+    >>> gather_ints([1, 2], name="doc")     # a world of one
+    [[1, 2]]
+    """
+    if hvd.size() == 1:
+        return [list(values)]
+    handle = hvd.allgather_async(torch.tensor([list(values)], dtype=torch.int64), name=name)
+    return _wait_sleeping(handle).tolist()
+
+
+def max_ints(values, name):
+    """Collective: the element-wise maximum of every replica's list of ints (one length):
+    one small allreduce, so flags (0/1) are OR-ed and counters agree on the largest."""
+    if hvd.size() == 1:
+        return list(values)
+    return hvd.allreduce(torch.tensor(list(values), dtype=torch.int64), op=hvd.Max,
+                         name=name).tolist()
+
+
+def broadcast_bytes(data, root_rank, name, chunk_bytes=1 << 28):
+    """Collective: ``data`` (bytes, or None, given on ``root_rank``; ignored elsewhere) on
+    every replica, sent in pieces of at most ``chunk_bytes`` so that no rank holds a second
+    whole copy as a tensor."""
+    if hvd.size() == 1:
+        return data
+    root = hvd.rank() == root_rank
+    length = torch.tensor([-1 if not root or data is None else len(data)], dtype=torch.int64)
+    length = int(hvd.broadcast(length, root_rank=root_rank, name=name + ".len")[0])
+    if length < 0:
+        return None
+    out = bytearray(length)
+    for start in range(0, length, chunk_bytes):
+        stop = min(start + chunk_bytes, length)
+        piece = torch.frombuffer(bytearray(data[start:stop]), dtype=torch.uint8) if root \
+            else torch.empty(stop - start, dtype=torch.uint8)
+        hvd.broadcast_(piece, root_rank=root_rank, name=f"{name}.{start // chunk_bytes}")
+        out[start:stop] = piece.numpy().tobytes()
+    return bytes(out)
+
+
+def _wait_sleeping(handle):
     delay = 1e-4
     while not hvd.poll(handle):
         time.sleep(delay)
         delay = min(2 * delay, 0.01)
-    return int(hvd.synchronize(handle)[0])
+    return hvd.synchronize(handle)
 
 
 def _check_number(value, key=None):

@@ -3,8 +3,10 @@
 Everything a process must remember between calls that are not made on one
 object lives on this one explicit object, instead of counters and registries
 spread over modules: the State that epoch loops consult, the CPU thread
-share, and the state handlers a script registered.
+share, the state handlers a script registered, and the objects whose use
+makes collectives (which a State must carry).
 """
+import weakref
 
 
 class RuntimeContext:
@@ -19,6 +21,11 @@ class RuntimeContext:
         self.threads_set = None
         #: ``(value_type, handler_cls)`` pairs from ``register_handler``, newest first.
         self.handlers = []
+        #: Objects whose use makes collectives (distributed optimizers, autoscaling
+        #: loaders): a worker joining a job syncs them only if the State carries them.
+        self.collective_objects = weakref.WeakSet()
+        #: True while ``hvd_adapt.run`` runs the training function.
+        self.in_run = False
 
 
 CONTEXT = RuntimeContext()

@@ -15,14 +15,20 @@ import torch
 from .blas import cap_loaded_scipy_blas
 from .threads import share_cpu_threads
 
-# How long Gloo waits for a peer's message before it gives up (its own
-# default: 30 s). When an elastic worker dies, some survivors see the broken
-# connection at once and others wait this long for it (benchmarks/RESULTS.md,
-# the soak), so every kill could cost a 30 s pause. Horovod's own negotiation
-# exchanges messages every few milliseconds while any rank is alive, so a
-# wait this long only ends in a dead or hung peer. 3 s passed the soak too;
-# 5 s leaves room for a loaded machine's scheduling hiccups.
-GLOO_TIMEOUT_SECONDS = 5
+# How long Gloo waits for a peer (its own default: 30 s). Horovod 0.28 uses
+# this one value for two waits (horovod/common/gloo/gloo_context.cc,
+# Rendezvous: setTimeout and HTTPStore::wait): the rendezvous of every
+# (re)initialisation, and each message of a collective. The rendezvous
+# comes first: on a grow, Horovod's driver starts the new worker only once
+# the survivors wait in it (ElasticDriver.resume after the workers'
+# barrier), so the survivors wait there for the new worker's whole start-up
+# (ssh, a container, `import torch`, the script up to init()), which takes
+# 8-40 s on a cluster. Too short a value killed the survivors at every such
+# grow. The price of a long one: a survivor that waits for a message from
+# another survivor stuck behind a dead peer notices the death only after
+# this long (about half the kills in benchmarks/RESULTS.md's soak; the
+# others are noticed at once).
+GLOO_TIMEOUT_SECONDS = 60
 
 
 def init(comm=None):
@@ -30,9 +36,11 @@ def init(comm=None):
 
     ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
     ranks) to run this job on a subset of an ``mpirun`` world. In an elastic
-    job, a dead peer is given up on after ``GLOO_TIMEOUT_SECONDS`` (5 s)
-    instead of Gloo's 30 s, unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (or
-    ``horovodrun --gloo-timeout-seconds``) says otherwise. Afterwards
+    job, Gloo waits ``GLOO_TIMEOUT_SECONDS`` (60 s) for a peer, in the
+    rendezvous with a worker that is still starting up and for a message,
+    unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (or ``horovodrun
+    --gloo-timeout-seconds``) says otherwise: set it above your workers'
+    start-up time. Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it.

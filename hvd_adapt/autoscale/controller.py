@@ -71,6 +71,7 @@ class Controller:
         self._steps_since_decision = 0   # the same on every rank: the splits' phase
         self._epoch_progress_start = 0.0
         self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
+        self._abandon_listeners = []
 
     def configure(self, policy, epochs_by_progress=False):
         """Autoscale with ``policy``; decide again before the next batch."""
@@ -134,6 +135,18 @@ class Controller:
         """A new pass over the data starts: its first batch opens a cycle."""
         self._micro = 0
         self._split_first = self._split_micro_bsz = None
+
+    def on_cycle_abandoned(self, callback):
+        """Call ``callback()`` whenever a cycle is abandoned (the optimizer drops the
+        micro-steps it accumulated)."""
+        self._abandon_listeners.append(callback)
+
+    def abandon_cycle(self):
+        """The pass was left in the middle of an accumulation cycle: close it, and tell the
+        listeners to drop what it accumulated."""
+        self.start_cycles()
+        for callback in self._abandon_listeners:
+            callback()
 
     def next_micro_step(self, last_of_plan, split_half=None):
         """Account one batch handed out; ``last_of_plan`` closes the cycle early.

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from .._checks import check_bool, check_int
 from .._runtime import env
 from .._runtime.blas import import_scipy_optimize
+from .._runtime.context import CONTEXT
 from ..autoscale.controller import MIN_SPLIT_BSZ, Controller
 from ..autoscale.policy import AutoscalePolicy
 from ..elastic.epoch import current_epoch
@@ -174,6 +175,8 @@ class AdaptiveDataLoader(Participant):
                                         gradient_accumulation, decide_every)
         check_bool("epochs_by_progress", epochs_by_progress)
         self.controller.configure(policy, epochs_by_progress)
+        # Its decisions are collectives: a State must carry it.
+        CONTEXT.collective_objects.add(self)
         if env.initialized() and env.rank() == 0:
             # The rank that fits loads scipy now rather than mid-training.
             import_scipy_optimize()
@@ -220,6 +223,11 @@ class AdaptiveDataLoader(Participant):
                 self.sampler.next_pass()
         finally:
             self._handed_out = None
+            if not controller.is_optim_step():
+                # Left inside an accumulation cycle (a break, a return): its
+                # micro-steps are dropped, so commits and the next pass see a
+                # closed cycle instead of waiting for one that never ends.
+                controller.abandon_cycle()
         self.num_padded = 0
         self._finished_pass_here = True
 

@@ -1,53 +1,103 @@
-"""Whole-job checkpoint files: written atomically, read back with every failure named.
+"""Whole-job checkpoint files: written atomically, never replaced by an older one, read back
+with every failure named.
 
 The payload is built and applied by :class:`hvd_adapt.State`; this module
-only knows the file: a format tag, written to a temporary file beside the
-target, fsynced and renamed over it (on a thread if asked), so a job killed
-while writing leaves the previous checkpoint intact.
+only knows the file: a format tag and the job's generation (its number of
+commits), written to a private temporary file beside the target (mode
+0600), fsynced, and renamed over the target under a lock (the file
+``.hvd_adapt-checkpoint.lock`` in that directory), unless the file there
+holds a newer generation, then the directory is fsynced. So a job
+killed while writing leaves the previous checkpoint intact, and a worker
+that stopped being rank 0 (its background write still under way) cannot
+take the checkpoint back in time after the new rank 0 wrote a newer one.
 """
+import contextlib
+import fcntl
 import io
 import logging
 import os
 import pickle
+import tempfile
 import threading
+import zipfile
 
 import numpy as np
 import torch
 
-FORMAT = "hvd_adapt-checkpoint-v2"
+FORMAT = "hvd_adapt-checkpoint-v3"
+# Files of the format before generations were recorded still load (generation 0).
+_OLDER_FORMATS = ("hvd_adapt-checkpoint-v2",)
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file cannot be read or does not fit this job's State."""
+    """A checkpoint file cannot be read or written, or does not fit this job's State."""
 
 
-def _write_atomically(path, write):
-    # write(f) fills the temporary file; fsync and rename make it the checkpoint.
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+#: The file beside the checkpoints that their writers lock while they replace one.
+LOCK_NAME = ".hvd_adapt-checkpoint.lock"
+
+
+@contextlib.contextmanager
+def _locked(directory):
+    # Writers take turns: the generation read before the rename must still
+    # be the file's when the rename lands. lockf is honoured on NFS too,
+    # where flock may be local only.
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        with open(tmp, "wb") as f:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path, write, generation):
+    """Fill a new private file beside ``path`` with ``write(f)``, fsync it, and rename it over
+    ``path`` unless ``path`` already holds a later generation; returns whether it did."""
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # mkstemp: a name no one can predict, created exclusively (O_EXCL, no
+    # symlink followed) with mode 0600, in the target's own file system.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _locked(directory):
+            existing = generation_of(path)
+            if existing is not None and existing > generation:
+                log.warning("checkpoint %s holds generation %d, newer than this write's %d: "
+                            "kept it", path, existing, generation)
+                return False
+            os.replace(tmp, path)
+            _fsync_directory(directory)
+        return True
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
 class CheckpointWriter:
-    """Writes checkpoint files atomically (temporary file, fsync, rename), optionally in
-    the background, one at a time.
+    """Writes checkpoint files atomically, optionally in the background, one at a time.
 
     The payload is serialised to memory before ``write`` returns, so the
     tensors it holds may change right after (a commit reuses its buffers);
     only the file write and fsync, the slow part on a shared file system,
     run on a thread. That thread is not a daemon: the interpreter waits for
     it at exit, so a finished job never leaves a half-written file behind.
+    A failed background write is kept, and no other background write starts
+    until :meth:`wait` raised it: :meth:`failure` reports it without
+    waiting, so that a commit can tell every rank.
     """
 
     def __init__(self):
@@ -55,38 +105,60 @@ class CheckpointWriter:
         self._error = None
         self._path = None
 
-    def write(self, payload, path, background=False):
-        """Write ``payload`` (with the format tag added) to ``path``; wait for the previous
-        write first (raising :class:`CheckpointError` if it failed)."""
-        self.wait()
-        payload = dict(payload, format=FORMAT)
+    def write(self, payload, path, generation, background=False):
+        """Write ``payload`` (with the format tag and ``generation``) to ``path``, after the
+        previous write. Where that one failed, a background write is skipped (the failure
+        waits for :meth:`failure`'s reader) and a foreground one raises it."""
+        self._join()
+        if self._error is not None:
+            if background:
+                return
+            self.wait()
+        payload = dict(payload, format=FORMAT, generation=generation)
+        self._path = path
         if not background:
             # Straight into the file: no second copy of the state in memory.
-            _write_atomically(path, lambda f: torch.save(payload, f))
+            try:
+                write_atomically(path, lambda f: torch.save(payload, f), generation)
+            except OSError as e:
+                raise self._error_for(e) from e
             return
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        self._path = path
-        self._thread = threading.Thread(target=self._write_in_background, args=(buffer, path),
+        self._thread = threading.Thread(target=self._write_in_background,
+                                        args=(buffer, path, generation),
                                         name="hvd_adapt-checkpoint")
         self._thread.start()
 
-    def _write_in_background(self, buffer, path):
+    def _write_in_background(self, buffer, path, generation):
         try:
-            _write_atomically(path, lambda f: f.write(buffer.getbuffer()))
-        except Exception as e:  # reported by wait(), the next write, and the log now
+            write_atomically(path, lambda f: f.write(buffer.getbuffer()), generation)
+        except Exception as e:  # reported by failure(), wait(), and the log now
             log.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
             self._error = e
 
-    def wait(self):
-        """Block until a background write is on disk; CheckpointError if it failed."""
+    def _error_for(self, error):
+        return CheckpointError(f"writing checkpoint {self._path} failed: "
+                               f"{type(error).__name__}: {error}")
+
+    def _join(self):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def failure(self):
+        """The message of a background write that failed (without waiting for one under way),
+        or None."""
+        error = self._error
+        return None if error is None else str(self._error_for(error))
+
+    def wait(self):
+        """Block until a background write is on disk; CheckpointError if it failed (raised
+        once)."""
+        self._join()
         error, self._error = self._error, None
         if error is not None:
-            raise CheckpointError(f"writing checkpoint {self._path} failed: "
-                                  f"{type(error).__name__}: {error}") from error
+            raise self._error_for(error) from error
 
 
 def _numpy_globals():
@@ -97,8 +169,84 @@ def _numpy_globals():
     return [np.ndarray, np.dtype, core.multiarray._reconstruct] + dtypes
 
 
-def read(path, expected_names, trusted=False):
-    """The payload in ``path``; raises :class:`CheckpointError` naming the file and the cause.
+def _load(source, name, trusted):
+    try:
+        if trusted:
+            return torch.load(source, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if trusted or "weights_only" not in str(e).lower():
+            raise CheckpointError(f"checkpoint {name} is unreadable (UnpicklingError: {e}); "
+                                  "delete it to start afresh") from e
+        raise CheckpointError(
+            f"checkpoint {name} holds Python objects other than tensors, numpy arrays and plain "
+            f"values, which loading would execute; if you wrote this file yourself, load it "
+            f"with load_checkpoint(path, trusted=True). ({str(e).splitlines()[-1]})") from e
+    except (EOFError, RuntimeError, OSError, ValueError,
+            AttributeError, ImportError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {name} is unreadable ({type(e).__name__}: {e}); "
+                              "delete it to start afresh") from e
+
+
+def _check_format(payload, name):
+    if not isinstance(payload, dict) or payload.get("format") not in (FORMAT,) + _OLDER_FORMATS:
+        raise CheckpointError(f"{name} is not an hvd_adapt checkpoint ({FORMAT})")
+    return payload.get("generation", 0)
+
+
+class _Inert:
+    """Stands for every class and function a pickle names: nothing is imported or called."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    # What the pickle may do to an instance of a dict or list subclass.
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    # Tensors come back as _Inert objects and their storages as None: only the
+    # plain structure around them (the format tag, the generation) is read.
+    def find_class(self, module, name):
+        return _Inert
+
+    def persistent_load(self, pid):
+        return None
+
+
+def generation_of(path):
+    """The generation recorded in the checkpoint at ``path``, None when there is no file;
+    :class:`CheckpointError` when the file is not a readable checkpoint. Only the pickled
+    structure is read (no tensor data), and no class it names is imported, so this is cheap
+    and safe for any file, also one holding the user's own objects."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            record = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+            with archive.open(record) as f:
+                payload = _SkeletonUnpickler(f).load()
+    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, OSError,
+            ValueError, AttributeError, IndexError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+                              "delete it to start afresh") from e
+    return _check_format(payload, path)
+
+
+def read(source, expected_names, trusted=False, name=None):
+    """The payload in ``source`` (a path, or a file-like object holding a file's bytes, then
+    ``name`` says which file); raises :class:`CheckpointError` naming the file and the cause.
 
     ``expected_names`` are the names the State carries: a checkpoint of a
     State with other contents is refused rather than half loaded. Unless
@@ -106,30 +254,13 @@ def read(path, expected_names, trusted=False):
     numpy arrays and plain Python values only), so a planted file cannot run
     code on load.
     """
-    try:
-        if trusted:
-            payload = torch.load(path, map_location="cpu", weights_only=False)
-        else:
-            with torch.serialization.safe_globals(_numpy_globals()):
-                payload = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if trusted or "weights_only" not in str(e).lower():
-            raise CheckpointError(f"checkpoint {path} is unreadable (UnpicklingError: {e}); "
-                                  "delete it to start afresh") from e
-        raise CheckpointError(
-            f"checkpoint {path} holds Python objects other than tensors, numpy arrays and plain "
-            f"values, which loading would execute; if you wrote this file yourself, load it "
-            f"with load_checkpoint(path, trusted=True). ({str(e).splitlines()[-1]})") from e
-    except (EOFError, RuntimeError, OSError, ValueError,
-            AttributeError, ImportError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
-                              "delete it to start afresh") from e
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an hvd_adapt checkpoint ({FORMAT})")
+    name = name or source
+    payload = _load(source, name, trusted)
+    _check_format(payload, name)
     expected = set(expected_names)
     found = set(payload["handlers"]) | set(payload["objects"])
     if expected != found:
         raise CheckpointError(
-            f"checkpoint {path} does not fit this State: missing {sorted(expected - found)}, "
+            f"checkpoint {name} does not fit this State: missing {sorted(expected - found)}, "
             f"unexpected {sorted(found - expected)}")
     return payload

@@ -1,14 +1,22 @@
-"""The SIGTERM drain: on preemption, every replica stops at the same commit, rank 0
-writes the checkpoint, and all exit with 143 (128 + SIGTERM), as schedulers expect.
+"""The SIGTERM drain: on preemption, every replica stops at the first commit after the
+signal, rank 0 writes the checkpoint, and all exit with 143 (128 + SIGTERM), as schedulers
+expect.
+
+How long it takes: from the signal to the next ``state.commit()`` (the
+loop's commit interval), then one checkpoint write on rank 0. A launcher
+kills what is still running after its grace period: ``horovodrun`` sends
+SIGKILL 5 s after SIGTERM (``GRACEFUL_TERMINATION_TIME_S``), Kubernetes
+after ``terminationGracePeriodSeconds`` (30 s by default). Commit at least
+every couple of seconds under ``horovodrun``, and give Kubernetes a grace
+period longer than the commit interval plus a checkpoint write.
 """
 import logging
 import signal
 import sys
 
-import horovod.torch as hvd
-import torch
-
-from .._runtime import collective, env
+from .._runtime import env
+from .agreement import fail_together
+from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -18,17 +26,16 @@ DRAIN_EXIT_CODE = 143
 class Drain:
     """Stop every replica at the same commit when any of them gets SIGTERM.
 
-    The signal handler only sets a flag. Each commit starts an asynchronous
-    Horovod allreduce of the flag and reads the one started at the commit
-    before, so agreement costs no waiting; when the sum is non-zero, every
-    replica has just committed the same step, rank 0 writes the checkpoint,
-    and all exit with code 143.
+    The signal handler only sets :attr:`requested`. Every commit votes on it
+    (one small collective with the commit's other votes), so the first
+    commit after the signal on any replica stops all of them there: rank 0
+    writes the checkpoint of that commit, and all exit with code 143. If the
+    write fails, every rank raises :class:`hvd_adapt.CheckpointError` instead.
     """
 
     def __init__(self, checkpoint_path=None):
         self.checkpoint_path = checkpoint_path
         self.requested = False
-        self._pending = None
         self._previous_handler = None
 
     def _on_signal(self, signum, frame):
@@ -42,34 +49,21 @@ class Drain:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
 
-    def discard_pending(self):
-        """Forget the in-flight vote: its handle died with the old world."""
-        self._pending = None
-
-    def check(self, state):
-        """Called by ``state.commit()`` after saving: vote, and exit if the last vote says stop."""
-        stop = False
-        if self._pending is not None:
-            stop = hvd.synchronize(self._pending).item() > 0
-        if env.size() == 1:
-            stop = stop or self.requested
-            self._pending = None
-        else:
-            flag = torch.tensor([int(self.requested)], dtype=torch.int32)
-            self._pending = hvd.allreduce_async(flag, op=hvd.Sum, name="hvd_adapt.drain")
-        if stop:
-            if self._pending is not None:
-                hvd.synchronize(self._pending)
-                self._pending = None
-            if self.checkpoint_path is not None:
+    def stop(self, state):
+        """Collective, at a commit every replica voted to drain at: checkpoint and exit."""
+        error = None
+        if self.checkpoint_path is not None and env.rank() == 0:
+            try:
                 state.save_checkpoint(self.checkpoint_path)
-            # The others exit only once rank 0's file is on disk: launchers
-            # kill the remaining workers as soon as one exits non-zero.
-            collective.barrier(name="hvd_adapt.drain_done")
-            if env.rank() == 0:
-                log.warning("SIGTERM received; stopped at epoch %d and exited with %d",
-                            state.epoch, DRAIN_EXIT_CODE)
-            sys.exit(DRAIN_EXIT_CODE)
+            except CheckpointError as e:
+                error = CheckpointError(f"draining after SIGTERM: {e}")
+        # The others exit only once rank 0's file is on disk: launchers kill
+        # the remaining workers as soon as one exits non-zero.
+        fail_together(error, "hvd_adapt.drain_done")
+        if env.rank() == 0:
+            log.warning("SIGTERM received; stopped at epoch %d and exited with %d",
+                        state.epoch, DRAIN_EXIT_CODE)
+        sys.exit(DRAIN_EXIT_CODE)
 
 
 def install_sigterm_drain(state, checkpoint_path=None):

@@ -16,23 +16,47 @@ from .participant import Participant
 
 
 class EpochCounter(Participant):
-    """The epoch a job is in; saved, restored and synced as part of the State."""
+    """Where the job is: its epoch and its number of commits (the generation a checkpoint
+    records), and whether it resumed from a checkpoint; saved, restored and synced as part
+    of the State."""
 
     def __init__(self):
         self.epoch = 0
+        self.commits = 0
+        self.epoch_end_commits = 0   # commits at the last epoch's end (0: none yet)
+        self.resumed = False
         self.in_loop = False
         self._left_early = False
+        self._left_checkpoint = None
 
     def state_dict(self):
-        return {"epoch": self.epoch}
+        return {"epoch": self.epoch, "commits": self.commits,
+                "epoch_end_commits": self.epoch_end_commits, "resumed": self.resumed}
 
     def load_state_dict(self, state):
         self.epoch = state["epoch"]
+        # Checkpoints written before commits were counted hold none.
+        self.commits = state.get("commits", 0)
+        self.epoch_end_commits = state.get("epoch_end_commits", 0)
+        self.resumed = state.get("resumed", False)
         self._left_early = False
 
-    def leave_early(self):
-        """The loop was left inside an epoch (a ``break``, or an exception on its way out)."""
+    def leave_early(self, checkpoint=None):
+        """The loop was left inside an epoch (a ``break``, a ``return``, or an exception on its
+        way out); ``checkpoint``: the loop's checkpoint path."""
         self._left_early = True
+        self._left_checkpoint = checkpoint
+
+    def finish_left_epoch(self):
+        """After the training function returned: the epoch its loop was left in counts as
+        finished. Returns the loop's checkpoint path (None if it had none), or False when no
+        loop was left early."""
+        if not self._left_early:
+            return False
+        self.epoch += 1
+        self._left_early = False
+        self.in_loop = False
+        return self._left_checkpoint
 
     def enter(self):
         """A loop starts. After a ``break`` it starts with the next epoch, as AdaptDL's does;
@@ -57,9 +81,11 @@ def remaining_epochs_until(epoch, checkpoint=None):
     state with the counter already moved on (a collective, and a point where
     resizes take effect), and writes it to ``checkpoint`` if given (in the
     background while the next epoch trains), so a restart never repeats a
-    finished epoch. Leaving the loop with ``break``
-    counts the epoch left as finished: a later loop starts with the next one
-    (as AdaptDL's does); a loop left by a resize goes on in the same epoch.
+    finished epoch. Leaving the loop with ``break`` or ``return`` counts the
+    epoch left as finished: a later loop starts with the next one (as
+    AdaptDL's does), and when the training function of ``hvd_adapt.run``
+    returns, that epoch is committed and checkpointed as a finished one; a
+    loop left by a resize goes on in the same epoch.
 
     >>> import hvd_adapt
     >>> hvd_adapt.init()
@@ -79,20 +105,22 @@ def remaining_epochs_until(epoch, checkpoint=None):
     # in_loop is not reset in a finally: a loop left by a resize interrupt is
     # entered again right away by the re-run training function.
     counter.enter()
+    if checkpoint is not None:
+        state.refresh_checkpoint(checkpoint)
     while counter.epoch < epoch:
         try:
             yield counter.epoch
         except GeneratorExit:
-            counter.leave_early()
+            counter.leave_early(checkpoint)
             raise
-        counter.epoch += 1
-        state.commit()
+        state.end_epoch()
         if checkpoint is not None:
             state.save_checkpoint(checkpoint, background=True)
     counter.in_loop = False
     if checkpoint is not None:
-        # What follows the loop may read the file (or the job may end here).
-        state.wait_for_checkpoint()
+        # What follows the loop may read the file (or the job may end here);
+        # a failed write stops every rank.
+        state.settle_checkpoint()
 
 
 def current_epoch():

@@ -4,7 +4,7 @@ restored and synced, following Horovod's ``StateHandler`` registry.
 hvd_adapt's own objects (loaders, samplers, accumulators, the distributed
 optimizer, the epoch counter) share one handler that calls their
 :class:`~hvd_adapt.elastic.participant.Participant` methods; torch modules,
-torch optimizers and learning-rate schedulers have handlers here. Saving
+torch optimizers, GradScalers and learning-rate schedulers have handlers here. Saving
 copies into the buffers of the previous save, so a commit allocates nothing.
 """
 import collections
@@ -120,6 +120,9 @@ class TorchOptimizerHandler(StateDictHandler):
 _BUILTIN = [
     (Participant, ParticipantHandler),
     (torch.optim.lr_scheduler.LRScheduler, StateDictHandler),
+    # Its scale and growth tracker: a joining worker at the initial scale
+    # would unscale the averaged gradients by another factor than the others.
+    (torch.amp.GradScaler, StateDictHandler),
     (torch.nn.Module, ModelHandler),
     (torch.optim.Optimizer, TorchOptimizerHandler),
 ]

@@ -5,9 +5,10 @@ failed collective restores the last commit, a host change raises at
 ``commit()``, and either way Horovod re-forms the world and calls the
 training function again. hvd_adapt adds that after every reset the rest of
 the epoch is re-partitioned over the new world and the batch size is
-decided again, whether or not Horovod skipped its sync. Anywhere else (plain
-``python``, ``mpirun``, non-elastic ``horovodrun``) it syncs once from rank 0
-and calls the function.
+decided again, whether or not Horovod skipped its sync, and that when the
+function returns, an epoch loop it left early is committed as finished (and
+checkpointed). Anywhere else (plain ``python``, ``mpirun``, non-elastic
+``horovodrun``) it syncs once from rank 0 and calls the function.
 """
 import functools
 
@@ -35,16 +36,22 @@ def run(func):
     def attempt(state, *args, **kwargs):
         CONTEXT.state = state
         state.resync_after_reset()
-        return func(state, *args, **kwargs)
+        result = func(state, *args, **kwargs)
+        state.finish_training_function()
+        return result
 
     elastic = hvd.elastic.run(attempt)
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         env.init()
-        if env.is_elastic():
-            return elastic(state, *args, **kwargs)
-        state.sync()
-        return attempt(state, *args, **kwargs)
+        outer, CONTEXT.in_run = CONTEXT.in_run, True
+        try:
+            if env.is_elastic():
+                return elastic(state, *args, **kwargs)
+            state.sync()
+            return attempt(state, *args, **kwargs)
+        finally:
+            CONTEXT.in_run = outer
 
     return wrapper

@@ -2,28 +2,42 @@
 
 It is a ``horovod.torch.elastic.TorchState`` (plain attributes work as in
 Horovod) whose values are carried by the handlers of ``handlers.py``: models
-and torch optimizers, learning-rate schedulers, and hvd_adapt's own objects,
-which say themselves how they sync and what a reset means to them. The State
-adds what Horovod's lacks: accumulator totals summed at every commit, commits
-that wait for the end of an accumulation cycle, host updates that are not
-lost within one second, and whole-job checkpoints of the last commit.
+and torch optimizers, GradScalers, learning-rate schedulers, and hvd_adapt's
+own objects, which say themselves how they sync and what a reset means to
+them. The State adds what Horovod's lacks:
+
+- a sync is a commit: afterwards every rank's restore point is the state it
+  synced to, so a failure right after a worker joined (or after a restart
+  from a checkpoint) never sends anyone back to a freshly built model;
+- one vote per commit (drain requests, a failed checkpoint write, host
+  changes), so every rank acts on it at that same commit;
+- accumulator totals summed at every commit and before any resize;
+- commits that wait for the end of an accumulation cycle;
+- host updates that are never dropped (two within a second, or one during a
+  reset);
+- whole-job checkpoints of the last commit, numbered by generation, that a
+  restart resumes from the newest any rank can read.
 """
+import gc
+import io
+import logging
 import os
 
-import horovod.torch as hvd
-import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
-from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.torch.elastic.state import TorchState
 
 from .._runtime import collective, env
+from .._runtime import horovod_internals as internals
 from .._runtime.context import CONTEXT
 from .._runtime.threads import share_cpu_threads
 from ..accumulator import Accumulator, flush
-from . import checkpoint
+from . import agreement, checkpoint
+from .drain import Drain
 from .epoch import EpochCounter
 from .handlers import handler_for, snapshot
 from .participant import Participant
+
+log = logging.getLogger(__name__)
 
 _RESERVED = ("epochs", "epoch")
 
@@ -31,8 +45,13 @@ _RESERVED = ("epochs", "epoch")
 class State(TorchState):
     """Everything training must carry across resizes, failures and restarts.
 
-    Pass the model, the optimizer, loaders, accumulators, schedulers and any
-    plain values by name; read them back as attributes.
+    Pass the model, the optimizer, loaders, accumulators, GradScalers,
+    schedulers and any plain values by name; read them back as attributes.
+    Everything whose state must be the same on every replica belongs here:
+    a worker that joins a job receives only what the State carries, and
+    hvd_adapt refuses to run (on every rank, with an error naming it) when a
+    :class:`hvd_adapt.DistributedOptimizer` or an autoscaling loader is
+    missing from it.
 
     >>> import hvd_adapt, torch
     >>> hvd_adapt.init()
@@ -67,15 +86,17 @@ class State(TorchState):
                 del kwargs[name]
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
-        self._saved_state = {name: snapshot(value) for name, value in self._saved_state.items()}
+        internals.check_state(self)
+        saved = {name: snapshot(value) for name, value in internals.saved_values(self).items()}
         # Horovod's own object broadcast costs a background-thread round trip
         # even in a world of one; ours returns at once there.
-        self._bcast_object = collective.broadcast_object
+        internals.use_object_broadcast(self, collective.broadcast_object)
         for name, handler in ours.items():
             # TorchState always files model/optimizer; ours supersede them.
-            self._saved_state.pop(name, None)
+            saved.pop(name, None)
             setattr(self, name, handler.value)
-        self._handlers.update(ours)
+        internals.set_saved_values(self, saved)
+        internals.handlers(self).update(ours)
         values = [h.value for h in ours.values()]
         # Checked at every commit; participants are never replaced (they load in place).
         self._participants = [v for v in values if isinstance(v, Participant)]
@@ -83,8 +104,11 @@ class State(TorchState):
             value.join(values)
         self._accumulators = [v for v in values if isinstance(v, Accumulator)]
         self._resync_pending = False
+        self._holds_job = False        # passed a sync: carries the running job's state
+        self._skip_next_sync = False   # load_checkpoint synced the world already
         self._drain = None
         self._checkpoint_writer = checkpoint.CheckpointWriter()
+        self._written = None           # (path, generation) this process wrote last
         self.register_reset_callbacks([self._after_reset])
         CONTEXT.state = self
         if env.initialized():
@@ -96,6 +120,12 @@ class State(TorchState):
         """The current epoch of ``remaining_epochs_until``."""
         return self.epochs.epoch
 
+    @property
+    def generation(self):
+        """Commits the job has made since it started (restarts from a checkpoint included):
+        the number a checkpoint of the last commit records."""
+        return self.epochs.commits
+
     def at_optim_boundary(self):
         """False while any loader is between the steps of an accumulation cycle."""
         return all(value.at_commit_point() for value in self._participants)
@@ -104,58 +134,80 @@ class State(TorchState):
         """Check ``drain`` (a :class:`hvd_adapt.Drain`) at every commit."""
         self._drain = drain
 
+    # -- commits -------------------------------------------------------------------------
     def commit(self):
-        """Collective: save the state and raise ``HostsUpdatedInterrupt`` if hosts changed.
+        """Collective: save the state, then act on what the replicas voted at this commit.
 
-        Also sums pending accumulator updates over replicas (one collective)
-        and, with a SIGTERM drain installed, stops the job when any replica
-        was asked to stop.
+        Pending accumulator updates are summed over replicas first (one
+        collective). The vote (one more) is on: a SIGTERM drain requested on
+        any replica (every replica stops here, rank 0 writes the checkpoint,
+        all exit 143); a background checkpoint write that failed on rank 0
+        (every rank raises :class:`hvd_adapt.CheckpointError` with its cause,
+        so an elastic job ends instead of blacklisting a healthy host); a
+        host change reported by the driver (``HostsUpdatedInterrupt``, where
+        the resize takes effect).
         """
+        self._commit(raise_host_updates=True)
+
+    def end_epoch(self):
+        """Collective: move the epoch counter on and commit (the epoch loop's commit between
+        two epochs)."""
+        self.epochs.epoch += 1
+        self._commit(raise_host_updates=True, epoch_end=True)
+
+    def _commit(self, raise_host_updates, epoch_end=False):
         if not self.at_optim_boundary():
             return
         if self._accumulators:
             flush(self._accumulators)
+        self.epochs.commits += 1
+        if epoch_end:
+            self.epochs.epoch_end_commits = self.epochs.commits
         self.save()
-        if self._drain is not None:
-            self._drain.check(self)
-        self.check_host_updates()
+        failure = self._checkpoint_writer.failure() if env.rank() == 0 else None
+        votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
+                               self._host_updates())
+        if votes.checkpoint_failed:
+            error = None
+            if env.rank() == 0:
+                try:
+                    self._checkpoint_writer.wait()
+                except checkpoint.CheckpointError as e:
+                    error = e
+            agreement.fail_together(error, "hvd_adapt.commit.checkpoint_failed")
+        if votes.drain:
+            (self._drain or Drain()).stop(self)
+        if votes.hosts_updated and raise_host_updates:
+            raise HostsUpdatedInterrupt(votes.removed_only)
+
+    def _host_updates(self):
+        return internals.take_host_updates(self) if env.is_elastic() else None
 
     def check_host_updates(self):
         """Collective: raise ``HostsUpdatedInterrupt`` if the driver reported a host change.
 
-        Horovod stamps host updates in whole seconds and ignores one that
-        shares the second of the update before it, so of two resizes within
-        a second the second was lost. Each update is delivered once and the
-        queue is emptied at every reset, so here an update stamped in the
-        same second as the last one counts as new. Outside elastic mode no
-        driver sends updates and it returns at once, so a script can call it
-        after every batch and commit less often (as Horovod's examples do).
-        Like a commit, it does nothing between the steps of an accumulation
-        cycle: a resize takes effect at an optimizer step.
+        Outside elastic mode no driver sends updates and it returns at once,
+        so a script can call it after every batch and commit less often (as
+        Horovod's examples do). Before it raises, pending accumulator
+        updates are summed over replicas, so a replica about to be removed
+        leaves its counts behind. Like a commit, it does nothing between
+        the steps of an accumulation cycle: a resize takes effect at an
+        optimizer step.
         """
         if not env.is_elastic() or not self.at_optim_boundary():
             return
-        last = self._last_updated_timestamp
-        received, newest, update = False, last, HostUpdateResult.no_update
-        while not self._host_messages.empty():
-            timestamp, result = self._host_messages.get()
-            if timestamp >= last:
-                received, newest, update = True, max(newest, timestamp), update | result
-        if env.size() > 1:
-            # Three integers: a fixed-size tensor broadcast is one Horovod
-            # cycle, an object broadcast two (its size, then its bytes).
-            received, newest, update = hvd.broadcast(
-                torch.tensor([int(received), newest, int(update)], dtype=torch.int64),
-                root_rank=0, name="hvd_adapt.host_updates").tolist()
-        self._last_updated_timestamp = newest
-        if received:
-            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
+        votes = agreement.vote(False, None, self._host_updates())
+        if votes.hosts_updated:
+            if self._accumulators:
+                flush(self._accumulators)
+            raise HostsUpdatedInterrupt(votes.removed_only)
 
     def save(self):
         """Snapshot every value: handlers' into their buffers, plain values as copies (Horovod
         keeps plain values by reference, so an in-place change survived a restore)."""
         super().save()
-        self._saved_state = {name: snapshot(value) for name, value in self._saved_state.items()}
+        internals.set_saved_values(self, {name: snapshot(value) for name, value
+                                          in internals.saved_values(self).items()})
 
     def restore(self):
         """Return every value to the last commit; plain values get copies of the snapshot."""
@@ -163,34 +215,82 @@ class State(TorchState):
         self._detach_plain_values()
 
     def _detach_plain_values(self):
-        for name, value in self._saved_state.items():
+        for name, value in internals.saved_values(self).items():
             setattr(self, name, snapshot(value))
 
+    # -- syncs and resets ------------------------------------------------------------------
     def sync(self):
         """Collective: every value becomes rank 0's (parameters bitwise, optimizer state without
-        a step), then every loader decides its batch size again."""
+        a step), then is committed on every rank: a failure right after a sync restores to
+        what was synced. Every loader decides its batch size again."""
+        if env.is_elastic() and not CONTEXT.in_run:
+            raise RuntimeError(
+                "in an elastic job an hvd_adapt.State is synced by @hvd_adapt.run, not by "
+                "@hvd.elastic.run or by hand: after a resize that Horovod lets survivors skip "
+                "their sync, a joining worker and the survivors would wait in different "
+                "collectives. Decorate the training function with @hvd_adapt.run")
+        if self._skip_next_sync:
+            self._skip_next_sync = False
+            return
         self._sync_world(full=True)
 
-    def _sync_world(self, full):
+    def _sync_world(self, full, wanted_checkpoint=None):
         # Every rank of a new world passes here once: through sync() where
         # Horovod syncs (a start, a joining worker, after a failure), through
         # resync_after_reset() where Horovod let a survivor skip its sync
-        # (hosts only removed). A removal and an addition close together
-        # give both at once: survivors that saw only the removal and a new
-        # worker that must be synced in full. They first agree, in one
-        # collective, whether anyone needs the full sync, so all of them
-        # run the same collectives after it (two paths hung before).
-        # A new worker arrives only after its whole start-up; the others
-        # wait for it without spinning, so they do not slow it down.
-        wanted = collective.barrier(name="hvd_adapt.sync", contribution=int(full))
-        if wanted:
+        # (hosts only removed), through load_checkpoint() before training. A
+        # removal and an addition close together give several at once:
+        # survivors that saw only the removal and a new worker that must be
+        # synced in full. They first agree, in one collective, on what the
+        # world does (agreement.at_sync), so all run the same collectives
+        # after it, and a new worker's checkpoint never wins over the state
+        # the survivors hold. A new worker arrives only after its whole
+        # start-up; the others wait for it without spinning.
+        self._check_carried()
+        generation, unreadable = agreement.NO_FILE, None
+        if wanted_checkpoint is not None:
+            try:
+                found = checkpoint.generation_of(wanted_checkpoint[0])
+                generation = agreement.NO_FILE if found is None else found
+            except checkpoint.CheckpointError as e:
+                generation, unreadable = agreement.UNREADABLE, str(e)
+        plan = agreement.at_sync(full, self._holds_job and wanted_checkpoint is None,
+                                 generation, unreadable)
+        if plan.source_rank is not None:
+            self._load_from(plan.source_rank, *wanted_checkpoint)
+        if plan.full:
             super().sync()
             self._detach_plain_values()
         else:
-            for handler in self._handlers.values():
+            for handler in internals.handlers(self).values():
                 if getattr(handler, "light", False):
                     handler.sync()
+        self.save()
+        self._holds_job = True
         self._resync_pending = False
+
+    def _check_carried(self):
+        # A worker joining a job receives only what the State carries; a
+        # distributed optimizer or an autoscaling loader outside it would
+        # make collectives the joining worker alone runs (a hang). Every rank
+        # builds the same objects, so every rank raises here alike.
+        if env.size() == 1 and not env.is_elastic():
+            return
+        carried = {id(value) for value in self._participants}
+
+        def outside():
+            return [obj for obj in CONTEXT.collective_objects if id(obj) not in carried]
+
+        if outside():
+            gc.collect()    # objects a script dropped may only await collection
+        left = outside()
+        if left:
+            kinds = ", ".join(sorted({type(obj).__name__ for obj in left}))
+            raise RuntimeError(
+                f"the hvd_adapt.State does not carry every {kinds} this script made: pass each "
+                "to hvd_adapt.State(...) by name. A worker that joins the job is synced only "
+                "with what the State carries, and would then run collectives the others do "
+                "not (a hang)")
 
     def _after_reset(self):
         # After a HostsUpdatedInterrupt with skip_sync, Horovod does not sync;
@@ -199,11 +299,15 @@ class State(TorchState):
         # Collectives are not allowed here: a new worker does not pass
         # through this callback.
         self._resync_pending = True
+        self._skip_next_sync = False
         share_cpu_threads(env.local_size(), env.local_rank())
         for value in self._participants:
             value.on_reset()
-        if self._drain is not None:
-            self._drain.discard_pending()
+
+    def on_reset(self):
+        """Horovod's reset, keeping host updates the driver sent during it (Horovod drops them,
+        and an added host then idled until the next change)."""
+        internals.reset_keeping_host_updates(self)
 
     def resync_after_reset(self):
         """Collective, called by ``run`` at each attempt: after a reset that Horovod did not
@@ -212,70 +316,171 @@ class State(TorchState):
         if self._resync_pending:
             self._sync_world(full=False)
 
+    def finish_training_function(self):
+        """Called by ``run`` when the training function returned: an epoch loop it left with
+        ``break`` or ``return`` counts its epoch as finished, and that is committed, and
+        checkpointed where the loop had a checkpoint path. (Host changes reported now are
+        left to the next job: this one is ending.)"""
+        path = self.epochs.finish_left_epoch()
+        if path is False:
+            return
+        self._commit(raise_host_updates=False)
+        if path is not None:
+            self.save_checkpoint(path, background=True)
+            self.settle_checkpoint()
+
     # -- whole-job checkpoints -------------------------------------------------------
     def _checkpoint_payload(self):
         handlers = {}
-        for name, handler in self._handlers.items():
+        for name, handler in internals.handlers(self).items():
             if hasattr(handler, "saved_state"):
                 handlers[name] = {"state_dict": handler.saved_state()}
             elif hasattr(handler.value, "state_dict"):
                 handlers[name] = {"state_dict": handler.value.state_dict()}
             else:
                 handlers[name] = {"value": handler.value}
-        return {"handlers": handlers, "objects": dict(self._saved_state)}
+        return {"handlers": handlers, "objects": dict(internals.saved_values(self))}
+
+    def _committed_generation(self):
+        return internals.handlers(self)["epochs"].saved_state()["commits"]
 
     def save_checkpoint(self, path, background=False):
         """Write the state of the last commit to ``path`` on rank 0 (others do nothing).
 
-        Call it after ``commit()``. The file is written beside ``path`` and
-        renamed over it, so a job killed while writing leaves the old
-        checkpoint intact. With ``background=True`` it returns once the
-        state is serialised to memory (one copy of it) and the file is
-        written and fsynced on a thread while training goes on; the next
-        save, :meth:`wait_for_checkpoint` and the interpreter's exit wait for
-        it, and a failed write raises :class:`hvd_adapt.CheckpointError`
-        there (and is logged at once).
+        Call it after ``commit()``. The file is written beside ``path`` (a
+        private temporary file) and renamed over it, so a job killed while
+        writing leaves the old checkpoint intact; it records the job's
+        :attr:`generation`, and a file that holds a later generation (written
+        by a newer rank 0) is never replaced. With ``background=True`` it
+        returns once the state is serialised to memory (one copy of it) and
+        the file is written and fsynced on a thread while training goes on;
+        the next save, :meth:`wait_for_checkpoint` and the interpreter's exit
+        wait for it. A failed write raises :class:`hvd_adapt.CheckpointError`
+        there, and at the next commit on every rank.
         """
-        if env.rank() == 0:
-            self._checkpoint_writer.write(self._checkpoint_payload(), path, background)
+        if env.rank() != 0:
+            return
+        generation = self._committed_generation()
+        target = (os.path.abspath(path), generation)
+        if self._written == target:
+            # This commit is on its way to this file already (a drain right
+            # after an epoch's checkpoint): wait for it instead.
+            self._checkpoint_writer.wait()
+            return
+        self._written = None
+        self._checkpoint_writer.write(self._checkpoint_payload(), path, generation, background)
+        self._written = target
+
+    def refresh_checkpoint(self, path):
+        """Rank 0, where an epoch loop with a checkpoint starts (also after every reset): if
+        ``path`` holds an older generation than the last epoch's end that was committed (the
+        worker writing it died, or rank 0 moved to a host whose folder holds an older one),
+        write the last commit there now, in the background."""
+        boundary = self.epochs.epoch_end_commits
+        if env.rank() != 0 or boundary == 0:
+            return
+        written = self._written
+        if written is not None and written[0] == os.path.abspath(path) and written[1] >= boundary:
+            return
+        try:
+            found = checkpoint.generation_of(path)
+        except checkpoint.CheckpointError as e:
+            log.warning("%s; writing the last commit over it", e)
+            found = None
+        if found is None or found < boundary:
+            self.save_checkpoint(path, background=True)
 
     def wait_for_checkpoint(self):
         """Block until a background checkpoint write is on disk (rank 0; a no-op elsewhere)."""
         self._checkpoint_writer.wait()
 
+    def settle_checkpoint(self):
+        """Collective: wait for rank 0's background checkpoint write; if it failed, raise
+        :class:`hvd_adapt.CheckpointError` with its cause on every rank."""
+        error = None
+        if env.rank() == 0:
+            try:
+                self._checkpoint_writer.wait()
+            except checkpoint.CheckpointError as e:
+                error = e
+        agreement.fail_together(error, "hvd_adapt.checkpoint_written")
+
     def load_checkpoint(self, path, trusted=False):
-        """Load ``path`` on rank 0 if it exists; returns whether the file exists.
+        """Collective: resume from the newest checkpoint at ``path`` any rank can read, or sync
+        as at a start where there is none; returns whether the job runs from a checkpoint,
+        the same answer on every rank.
+
+        Call it on every rank at the same point, before training (``run``
+        then skips its first sync, which this was). The ranks compare the
+        generations of the files they see at ``path`` (a shared directory,
+        or one per host): the newest is read by the rank that holds it (and
+        sent to rank 0 where that is another rank), and every rank starts
+        from it, committed. A worker that joins a running job (its script
+        calls this too) meets the survivors' sync here: the state they hold
+        wins over any file, and it returns what the job answered at its start.
 
         The file is read with ``torch.load(weights_only=True)``: tensors,
         numpy arrays and plain values (what the State itself writes) load;
         a file holding other pickled objects is refused, since unpickling
         them runs code. ``trusted=True`` loads any file: only for files you
-        wrote (a State carrying values of your own classes needs it).
-
-        The other ranks receive the state at the next sync (``run`` syncs
-        first), so on them it only reports whether ``path`` exists (the same
-        answer on a shared file system). Raises
-        :class:`hvd_adapt.CheckpointError`, naming the file, if it is corrupt
-        or was written for a State with other contents.
+        wrote (a State carrying values of your own classes needs it). Raises
+        :class:`hvd_adapt.CheckpointError` on every rank, naming the file,
+        if it is corrupt or was written for a State with other contents.
         """
-        self._checkpoint_writer.wait()
-        if not os.path.exists(path):
-            return False
-        if env.rank() != 0:
-            return True
-        payload = checkpoint.read(path, list(self._handlers) + list(self._saved_state), trusted)
-        for name, entry in payload["handlers"].items():
-            handler = self._handlers[name]
-            try:
-                if "state_dict" in entry:
-                    handler.value.load_state_dict(entry["state_dict"])
+        self.settle_checkpoint()
+        self._sync_world(full=True, wanted_checkpoint=(path, trusted))
+        self._skip_next_sync = True
+        return self.epochs.resumed
+
+    def _load_from(self, source_rank, path, trusted):
+        # Rank 0 ends up holding the checkpoint; the full sync that follows
+        # gives it to everyone. Rank 0's failure is every rank's.
+        rank = env.rank()
+        names = list(internals.handlers(self)) + list(internals.saved_values(self))
+        error = None
+        if source_rank == 0:
+            if rank == 0:
+                error = self._apply_checkpoint(lambda: checkpoint.read(path, names, trusted), path)
+        else:
+            data = None
+            if rank == source_rank:
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except OSError as e:
+                    log.error("reading checkpoint %s failed: %s", path, e)
+            data = collective.broadcast_bytes(data, root_rank=source_rank,
+                                              name="hvd_adapt.checkpoint_file")
+            where = f"{path} (rank {source_rank}'s)"
+            if rank == 0:
+                if data is None:
+                    error = checkpoint.CheckpointError(f"checkpoint {where} could not be read")
                 else:
-                    handler.value = entry["value"]
-                    setattr(self, name, entry["value"])
-            except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as e:
-                raise checkpoint.CheckpointError(
-                    f"checkpoint {path}: cannot load {name!r}: {type(e).__name__}: {e}") from e
-        for name, value in payload["objects"].items():
-            setattr(self, name, value)
+                    error = self._apply_checkpoint(
+                        lambda: checkpoint.read(io.BytesIO(data), names, trusted, name=where),
+                        where)
+        agreement.fail_together(error, "hvd_adapt.checkpoint_loaded")
+
+    def _apply_checkpoint(self, read, where):
+        """Load what ``read()`` returns into every value; returns the CheckpointError, or None."""
+        try:
+            payload = read()
+            for name, entry in payload["handlers"].items():
+                handler = internals.handlers(self)[name]
+                try:
+                    if "state_dict" in entry:
+                        handler.value.load_state_dict(entry["state_dict"])
+                    else:
+                        handler.value = entry["value"]
+                        setattr(self, name, entry["value"])
+                except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as e:
+                    raise checkpoint.CheckpointError(
+                        f"checkpoint {where}: cannot load {name!r}: {type(e).__name__}: {e}") from e
+            for name, value in payload["objects"].items():
+                setattr(self, name, value)
+        except checkpoint.CheckpointError as e:
+            return e
+        self.epochs.resumed = True
+        # The sync that follows sends the saved plain values (Horovod's ObjectState.sync).
         self.save()
-        return True
+        return None

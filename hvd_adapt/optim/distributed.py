@@ -15,6 +15,7 @@ import torch
 from horovod.torch.functions import broadcast_parameters
 
 from .._runtime import collective, env
+from .._runtime.context import CONTEXT
 from ..autoscale.controller import MEASURE_EVERY, Controller
 from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
@@ -111,6 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self._bucket_cap_mb = bucket_cap_mb
         self._exchange = None
         self._hook_params()
+        # Its step makes collectives: a State must carry it.
+        CONTEXT.collective_objects.add(self)
 
     def _hook_params(self):
         if self._exchange is not None:
@@ -160,6 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             raise ValueError(f"expected an hvd_adapt Controller, got {controller!r}")
         self._controller = controller
         controller.attach_noise_scale(self.gns, self._measuring)
+        controller.on_cycle_abandoned(self.discard_accumulation)
 
     def join(self, peers):
         """Attach to the autoscaled loader among ``peers`` (the State's values), else the first."""
@@ -306,17 +310,41 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
-        """Collective: adopt rank 0's optimizer state and noise scale; drop accumulated gradients."""
+        """Collective: adopt rank 0's optimizer state, noise scale and GradScaler state; drop
+        accumulated gradients."""
         collective.broadcast_optimizer_state(self.optimizer)
-        self.gns.load_state_dict(collective.broadcast_object(self.gns.state_dict(),
-                                                             name="hvd_adapt.sync.gns"))
+        self._load_extra_state(collective.broadcast_object(self._extra_state(),
+                                                           name="hvd_adapt.sync.optimizer"))
         self.discard_accumulation()
         self._synced = True
 
+    def _extra_state(self):
+        extra = {"gns": self.gns.state_dict()}
+        if self.grad_scaler is not None:
+            # Scale and growth tracker: replicas that unscaled by different
+            # factors would apply different updates from one averaged gradient.
+            extra["grad_scaler"] = self.grad_scaler.state_dict()
+        return extra
+
+    def _load_extra_state(self, extra):
+        self.gns.load_state_dict(extra["gns"])
+        if self.grad_scaler is not None and extra.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(extra["grad_scaler"])
+
     def state_dict(self):
-        return {"optimizer": self.optimizer.state_dict(), "gns": self.gns.state_dict()}
+        """The wrapped optimizer's ``state_dict()`` (torch's format) with hvd_adapt's own state
+        (noise scale, GradScaler) under the key ``"hvd_adapt"``."""
+        return dict(self.optimizer.state_dict(), hvd_adapt=self._extra_state())
 
     def load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.gns.load_state_dict(state_dict["gns"])
+        """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hvd_adapt", None)
+        if "optimizer" in state_dict and "state" not in state_dict:
+            # hvd_adapt 0.2's layout, in checkpoints it wrote.
+            extra = {"gns": state_dict["gns"]}
+            state_dict = state_dict["optimizer"]
+        self.optimizer.load_state_dict(state_dict)
+        if extra is not None:
+            self._load_extra_state(extra)
         self.discard_accumulation()

@@ -1,21 +1,36 @@
-"""A seeded soak: one elastic job driven through random resizes and kills.
+"""Seeded soaks: elastic jobs driven through many resets of one kind, then checked.
 
-    python tests/distributed/soak.py --events 50 --seed 7
+    python tests/distributed/soak.py --kind mixed --events 50 --seed 7
+    python tests/distributed/soak.py --kind all --events 50      # every kind in turn
 
-One ``horovodrun`` job on this machine (1 to 3 workers over the host
-entries ``localhost`` and ``127.0.0.1``, Horovod's blacklist cooldown of 1-3 s
-so that a killed worker's host comes back) trains workers/elastic_train.py
-with weight decay, autoscaling and gradient accumulation on. The seed draws
-a schedule of events, a few optimizer steps apart: a resize to other host
-entries (grow or shrink), a SIGKILL of a random worker (rank 0 included), or a
-SIGKILL inside an accumulation cycle. A kill waits until the world spans both
-host entries and has stepped twice, and kills come one per world (Horovod
-blacklists the dead worker's host for 1-3 s, and ends a job whose every slot
-is blacklisted or whose every worker failed). Afterwards it checks what every rank
-logged at its commits: each sample trained exactly once per epoch,
-accumulator totals exact, one parameter hash per step and world (replicas
-identical after every reset), and the job finished. It prints the seed,
-the schedule, what happened, and the seconds each reset took.
+Every job runs on this machine under ``horovodrun`` (discovery polled every
+0.2 s, Horovod's blacklist cooldown 1-3 s so that a killed worker's host
+comes back) over the host entries ``localhost`` and ``127.0.0.1``, and trains
+workers/elastic_train.py with AdamW and weight decay under bf16 autocast
+with a GradScaler (its scale backs off twice early on). The kinds:
+
+- ``mixed``: random resizes to other host entries, SIGKILLs of a random
+  worker (rank 0 included), some inside an accumulation cycle (autoscaling
+  with gradient accumulation on).
+- ``kill_after_sync``: a host joins, and right after the sync, before any
+  commit, the worker that held the state before dies: the joiner must
+  restore to what it was synced to.
+- ``poll_race``: a removal and an addition within one discovery poll (0.1 s).
+- ``kill_in_checkpoint``: rank 0 dies while its (slowed) checkpoint write is
+  under way, with one checkpoint folder per host: the next rank 0 must make
+  the checkpoint current again.
+- ``slow_join``: every joining worker sleeps 8 s before ``init()``, as on a
+  cluster.
+- ``drain``: SIGTERM to ``horovodrun`` at a random moment, commits 3 s apart:
+  each drain must write its checkpoint and exit 143 before horovodrun's
+  SIGKILL 5 s later, and the next run resumes where it stopped.
+
+Afterwards what every rank logged is checked: each sample trained exactly
+once per epoch, accumulator totals exact, one hash of parameters, optimizer
+state and scale per step and world (replicas identical after every reset),
+every restore point what the rank last committed or synced, the checkpoint
+never older than the last epoch committed, no hang. It prints the seed, the
+schedule and a summary.
 """
 import argparse
 import glob
@@ -23,14 +38,26 @@ import itertools
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from elastic_jobs import run_elastic, sizes_in_order  # noqa: E402
-from training_logs import check_exactly_once, check_identical_replicas  # noqa: E402
+from elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order  # noqa: E402
+from launch import WORKERS, launch_env  # noqa: E402
+from training_logs import (SAMPLES, check_exactly_once, check_identical_replicas,  # noqa: E402
+                           read_attempts, read_logs)
+
+KINDS = ("mixed", "kill_after_sync", "poll_race", "kill_in_checkpoint", "slow_join", "drain")
+# The recipe every soak trains: AdamW with weight decay, bf16 autocast with a
+# GradScaler whose scale backs off at steps 1 and 2.
+RECIPE = ["--adamw", "--amp", "--inf-steps", "[1, 2]", "--batch-size", 8]
+COOLDOWN = ["--blacklist-cooldown-range", 1, 3]
+BOTH = ["localhost:1", "127.0.0.1:1"]
 
 # Host entries over the two names this machine answers to, both in every one:
 # Horovod ends a job when a resize leaves no host of the world before ("No
@@ -39,18 +66,17 @@ from training_logs import check_exactly_once, check_identical_replicas  # noqa: 
 # come from resizes, of 1 and 2 from kills.
 CONFIGS = [[f"localhost:{a}", f"127.0.0.1:{b}"]
            for a, b in itertools.product(range(1, 3), repeat=2) if a + b <= 3]
-KINDS = ("resize", "kill", "kill_mid_cycle")
 
 
 def make_schedule(events, seed):
-    """``(hosts, resizes, kills)``: the first host entries, ``[(step, hosts)]`` and the
-    kill plan ``[{"id", "step", "rank", "mid_cycle"}]``, drawn from ``seed``."""
+    """The ``mixed`` kind's ``(hosts, resizes, kills)``: the first host entries,
+    ``[(step, hosts)]`` and the kill plan ``[{"id", "step", "rank", "mid_cycle"}]``."""
     rng = random.Random(seed)
     hosts = rng.choice(CONFIGS)
     resizes, kills, step, current = [], [], 0, hosts
     for event in range(events):
         step += rng.randint(3, 5)
-        kind = rng.choice(KINDS)
+        kind = rng.choice(("resize", "kill", "kill_mid_cycle"))
         if kind == "resize":
             current = rng.choice([c for c in CONFIGS if c != current])
             resizes.append((step, current))
@@ -60,37 +86,208 @@ def make_schedule(events, seed):
     return hosts, resizes, kills
 
 
-def soak(events, seed, timeout=None):
-    """Run the soak; returns a summary dict, raising AssertionError when a check fails."""
-    hosts, resizes, kills = make_schedule(events, seed)
-    last_step = max([s for s, _ in resizes] + [k["step"] for k in kills] + [0])
-    schedule = [(0, hosts)] + resizes
-    np = sum(int(h.split(":")[1]) for h in hosts)
-    args = ["--epochs", 10 ** 6, "--until-step", last_step + 4, "--batch-size", 8,
-            "--autoscale", "--max-local-bsz", 2, "--hold-seconds", 10,
-            "--wait-steps", json.dumps([s for s, _ in resizes]),
-            "--kill-plan", json.dumps(kills)]
+def _poll_races(events, seed):
+    """Pairs of host lists a tenth of a second apart: one removes a host entry, the next adds
+    another, so the driver may see both in one poll."""
+    rng = random.Random(seed)
+    schedule, step = [(0, BOTH)], 0
+    for event in range(events):
+        step += rng.randint(3, 5)
+        if event % 2 == 0:
+            schedule += [(step, ["localhost:1"]), (step, ["localhost:2"], 0.1)]
+        else:
+            schedule += [(step, ["localhost:1"]), (step, BOTH, 0.1)]
+    return schedule
+
+
+def _job(kind, events, seed):
+    """``(schedule, np, worker_args, launcher_args, timeout)`` of one elastic job of ``kind``."""
+    rng = random.Random(seed)
+    if kind == "mixed":
+        hosts, resizes, kills = make_schedule(events, seed)
+        last = max([s for s, _ in resizes] + [k["step"] for k in kills] + [0])
+        args = ["--epochs", 10 ** 6, "--until-step", last + 4, "--autoscale",
+                "--max-local-bsz", 2, "--hold-seconds", 10,
+                "--wait-steps", json.dumps([s for s, _ in resizes]),
+                "--kill-plan", json.dumps(kills)]
+        np = sum(int(h.split(":")[1]) for h in hosts)
+        return [(0, hosts)] + resizes, np, args, COOLDOWN, 120 + 20 * events
+    if kind == "kill_after_sync":
+        # One host first, so that the first grow comes from discovery; after
+        # that every kill's host comes back from the blacklist as a grow.
+        args = ["--epochs", 10 ** 6, "--kill-old-after-grow", events]
+        return [(0, ["localhost:1"]), (2, BOTH)], 1, args, COOLDOWN, 120 + 15 * events
+    if kind == "poll_race":
+        schedule = _poll_races(events, seed)
+        steps = sorted({entry[0] for entry in schedule[1:]})
+        args = ["--epochs", 10 ** 6, "--until-step", steps[-1] + 4, "--hold-seconds", 10,
+                "--wait-steps", json.dumps(steps)]
+        return schedule, 2, args, [], 120 + 10 * events
+    if kind == "kill_in_checkpoint":
+        folder = tempfile.mkdtemp(prefix="hvd_adapt_soak_ckpt_")
+        args = ["--epochs", 10 ** 6, "--kill-in-checkpoint", events,
+                "--slow-checkpoint-fsync", 0.5,
+                "--checkpoint", os.path.join(folder, "{host}", "job.pt")]
+        return [(0, BOTH)], 2, args, COOLDOWN, 120 + 15 * events
+    if kind == "slow_join":
+        schedule, step = [(0, ["localhost:1"])], 0
+        for event in range(events):
+            step += rng.randint(3, 5)
+            schedule.append((step, BOTH if event % 2 == 0 else ["localhost:1"]))
+        steps = [s for s, _ in schedule[1:]]
+        args = ["--epochs", 10 ** 6, "--until-step", steps[-1] + 4, "--slow-join", 8,
+                "--hold-seconds", 40, "--wait-steps", json.dumps(steps)]
+        return schedule, 1, args, [], 120 + 20 * events
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def soak(events, seed, kind="mixed"):
+    """Run one soak of ``kind``; returns a summary dict, raising AssertionError when a check
+    fails."""
+    if kind == "drain":
+        return _drain_soak(events, seed)
+    schedule, np, args, launcher_args, timeout = _job(kind, events, seed)
     started = time.time()
-    job, commits, epochs = run_elastic(
-        schedule, np=np, min_np=1, max_np=3, worker_args=args,
-        timeout=timeout or 120 + 20 * events,
-        launcher_args=["--blacklist-cooldown-range", 1, 3])
+    job, commits, epochs = run_elastic(schedule, np=np, min_np=1, max_np=3,
+                                       worker_args=RECIPE + args, timeout=timeout,
+                                       launcher_args=launcher_args)
     seconds = time.time() - started
-    fired = []
-    for path in glob.glob(os.path.join(job.out_dir, "killed.*")):
-        with open(path) as f:
-            fired.append(dict(json.load(f), time=os.path.getmtime(path)))
-    summary = {"seed": seed, "events": events, "seconds": round(seconds, 1),
-               "returncode": job.returncode, "resizes": len(resizes), "kills": len(kills),
-               "kills_fired": len(fired), "killed_rank0": sum(k["rank"] == 0 for k in fired),
-               "killed_mid_cycle": sum(k["mid_cycle"] for k in fired),
-               "sizes": sizes_in_order(commits),
+    fired = _fired(job.out_dir)
+    summary = {"kind": kind, "seed": seed, "events": events, "seconds": round(seconds, 1),
+               "returncode": job.returncode, "kills_fired": len(fired),
+               "killed_rank0": sum(k["rank"] == 0 for k in fired),
+               "sizes": sizes_in_order(commits), "resets": _resets(job.out_dir),
                "epochs": len({e["epoch"] for e in epochs}), "out_dir": job.out_dir,
                "pauses": pauses(commits), "recovery_after_kill": recoveries(commits, fired)}
     job.check()
     check_exactly_once(commits, epochs, summary["epochs"])
     check_identical_replicas(commits)
+    summary["restore_points_checked"] = check_restore_points(job.out_dir, commits)
+    summary["checkpoint_ages_checked"] = check_checkpoint_ages(job.out_dir)
     return summary
+
+
+def _fired(out_dir):
+    fired = []
+    for path in glob.glob(os.path.join(out_dir, "killed.*")):
+        with open(path) as f:
+            text = f.read()
+        entry = json.loads(text) if text else {}
+        fired.append(dict({"rank": -1}, **entry, time=os.path.getmtime(path)))
+    return fired
+
+
+def _resets(out_dir):
+    """Attempts of the training function beyond each process's first: the resets it saw."""
+    return sum(len(entries) - 1 for entries in read_attempts(out_dir).values())
+
+
+def check_restore_points(out_dir, commits):
+    """Wherever a process ran the training function again without committing in between
+    (a failure right after its sync), it held exactly what it held at the attempt before:
+    its restore point was what it was synced to. Returns how many were checked."""
+    keys = ("step", "epoch", "position", "params", "optimizer", "scale", "generation")
+    commit_times = {}
+    for entry in commits:
+        commit_times.setdefault(entry["pid"].split(".")[1], []).append(entry["time"])
+    checked = 0
+    for name, entries in read_attempts(out_dir).items():
+        times = commit_times.get(name.split(".")[1], [])
+        for before, after in zip(entries, entries[1:]):
+            if not any(before["time"] < t < after["time"] for t in times):
+                assert {k: before[k] for k in keys} == {k: after[k] for k in keys}, \
+                    (name, before, after)
+                checked += 1
+    return checked
+
+
+def check_checkpoint_ages(out_dir):
+    """At every epoch's start rank 0's checkpoint held at least the last epoch committed."""
+    path = os.path.join(out_dir, "checkpoint_ages.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        ages = [json.loads(line) for line in f]
+    stale = [a for a in ages if a["file"] is None or a["file"] < a["epoch_end"]]
+    assert not stale, stale
+    return len(ages)
+
+
+def _drain_soak(events, seed):
+    """``events`` runs of one job, each stopped by a SIGTERM to horovodrun at a random moment
+    (commits 3 s apart) and resumed by the next from its checkpoint."""
+    rng = random.Random(seed)
+    folder = tempfile.mkdtemp(prefix="hvd_adapt_soak_drain_")
+    checkpoint = os.path.join(folder, "job.pt")
+    all_commits, all_epochs, drains, started = [], [], [], time.time()
+    previous = None
+    for event in range(events + 1):
+        last = event == events
+        out_dir = tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
+        # The last run finishes the epoch it resumes in (and so every epoch is whole).
+        args = RECIPE + ["--samples", SAMPLES, "--epochs", 10 ** 6, "--checkpoint", checkpoint,
+                         "--drain", "--batch-seconds", 1.0, "--commit-every", 3] + \
+            (["--until-step", 0] if last else [])
+        command = [sys.executable, FAST_HOROVODRUN, "-np", 2, "--min-np", 1, "--max-np", 2,
+                   "--network-interface", "lo",
+                   "--host-discovery-script", discovery_script(out_dir, [(0, BOTH)]),
+                   sys.executable, os.path.join(WORKERS, "elastic_train.py")] + args
+        with open(os.path.join(out_dir, "output.log"), "w") as log:
+            proc = subprocess.Popen([str(a) for a in command], env=launch_env(out_dir),
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                if not last:
+                    _wait_for(lambda: os.path.exists(os.path.join(out_dir, "committed")), 120)
+                    time.sleep(rng.uniform(0.0, 6.0))
+                    signalled = time.time()
+                    proc.send_signal(signal.SIGTERM)
+                code = proc.wait(timeout=120)
+                ended = time.time()
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+        with open(os.path.join(out_dir, "output.log")) as f:
+            output = f.read()
+        commits, epochs = read_logs(out_dir)
+        attempts = read_attempts(out_dir)
+        first = [entries[0] for entries in attempts.values()]
+        if previous is not None:
+            # Every rank resumed exactly where the drain stopped.
+            keys = ("step", "params", "optimizer", "scale", "generation")
+            assert all({k: a[k] for k in keys} == {k: previous[k] for k in keys}
+                       for a in first), (previous, first)
+        all_commits += commits
+        all_epochs += epochs
+        if last:
+            assert code == 0, output[-3000:]
+            break
+        assert output.count("exit with status code 143") == 2, output[-3000:]
+        assert ended - signalled < 5.0, (ended - signalled, output[-2000:])
+        drains.append(round(ended - signalled, 2))
+        # What the next run must start from: the last commit, the drain's.
+        previous = max((c for c in commits if c["optim"]), key=lambda c: c["time"])
+        previous = {"step": previous["step"] + 1, "params": previous["params"],
+                    "optimizer": previous["optimizer"], "scale": previous["scale"],
+                    "generation": _generation(checkpoint)}
+    num_epochs = 1 + max(e["epoch"] for e in all_epochs)
+    check_exactly_once(all_commits, all_epochs, num_epochs)
+    check_identical_replicas(all_commits)
+    return {"kind": "drain", "seed": seed, "events": events,
+            "seconds": round(time.time() - started, 1), "epochs": num_epochs,
+            "signal_to_exit": sorted(drains)}
+
+
+def _generation(path):
+    from hvd_adapt.elastic.checkpoint import generation_of
+    return generation_of(path)
+
+
+def _wait_for(condition, seconds):
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"nothing happened within {seconds} s")
+        time.sleep(0.05)
 
 
 def pauses(commits, longest=5):
@@ -114,16 +311,16 @@ def recoveries(commits, fired):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", default="mixed", choices=KINDS + ("all",))
     parser.add_argument("--events", type=int, default=50)
     parser.add_argument("--seed", type=int, default=None, help="default: drawn and printed")
     args = parser.parse_args()
     seed = random.randrange(10 ** 6) if args.seed is None else args.seed
-    print(f"soak: seed={seed} events={args.events}", flush=True)
-    hosts, resizes, kills = make_schedule(args.events, seed)
-    print(f"start {hosts}; resizes {resizes}; kills {kills}", flush=True)
-    summary = soak(args.events, seed)
-    print(json.dumps(summary))
-    print(f"soak passed: seed={seed}")
+    for kind in KINDS if args.kind == "all" else (args.kind,):
+        print(f"soak: kind={kind} seed={seed} events={args.events}", flush=True)
+        summary = soak(args.events, seed, kind)
+        print(json.dumps(summary), flush=True)
+        print(f"soak passed: kind={kind} seed={seed}", flush=True)
 
 
 if __name__ == "__main__":

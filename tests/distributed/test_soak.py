@@ -1,9 +1,9 @@
-"""The seeded soak (soak.py) in short: six random resizes and kills of one elastic job."""
+"""The seeded soaks (soak.py) in short: a few events of every kind."""
 import os
 
 import pytest
 
-from soak import make_schedule, soak
+from soak import KINDS, make_schedule, soak
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
@@ -24,3 +24,17 @@ def test_six_random_events():
     summary = soak(6, seed)
     print(summary)
     assert summary["kills_fired"] >= 1 and len(set(summary["sizes"])) >= 2, summary
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "mixed"])
+def test_two_events_of_each_kind(kind):
+    summary = soak(2, seed=11, kind=kind)
+    print(summary)
+    if kind in ("kill_after_sync", "kill_in_checkpoint"):
+        assert summary["kills_fired"] == 2, summary
+    if kind == "kill_after_sync":
+        assert summary["restore_points_checked"] >= 2, summary
+    if kind == "kill_in_checkpoint":
+        assert summary["checkpoint_ages_checked"] >= 2, summary
+    if kind == "drain":
+        assert len(summary["signal_to_exit"]) == 2, summary

@@ -7,6 +7,16 @@ import os
 SAMPLES = 60
 
 
+def read_attempts(out_dir):
+    """What every rank held at the start of each attempt of the training function (after
+    its sync), in the order each process wrote them: {pid file: [entries]}."""
+    attempts = {}
+    for path in glob.glob(os.path.join(out_dir, "attempts.*.jsonl")):
+        with open(path) as f:
+            attempts[os.path.basename(path)] = [json.loads(line) for line in f]
+    return attempts
+
+
 def read_logs(out_dir):
     """Every rank's committed batches (commits.*.jsonl) and rank 0's epoch totals."""
     commits = []
@@ -20,11 +30,13 @@ def read_logs(out_dir):
     return commits, epochs
 
 
-def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES):
+def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES, first_epoch=0):
+    """Epochs ``first_epoch`` to ``num_epochs - 1`` trained each sample once, and rank 0's
+    accumulator totals of each are exact."""
     seen = collections.defaultdict(collections.Counter)
     for entry in commits:
         seen[entry["epoch"]].update(entry["indices"])
-    assert sorted(seen) == list(range(num_epochs))
+    assert sorted(seen) == list(range(first_epoch, num_epochs))
     for epoch, counts in seen.items():
         twice = {i: c for i, c in counts.items() if c != 1}
         missing = set(range(samples)) - set(counts)
@@ -33,18 +45,19 @@ def check_exactly_once(commits, epochs, num_epochs, samples=SAMPLES):
     totals = {}
     for entry in epochs:
         totals.setdefault(entry["epoch"], set()).add((entry["n"], entry["idsum"]))
-    assert sorted(totals) == list(range(num_epochs))
+    assert sorted(totals) == list(range(first_epoch, num_epochs))
     for epoch, values in totals.items():
         assert values == {(samples, samples * (samples - 1) // 2)}, (epoch, values)
 
 
 def check_identical_replicas(commits):
-    """After every optimizer step, every rank of the world held the same parameters and
-    noise-scale estimate (all ranks measured the same steps)."""
+    """After every optimizer step, every rank of the world held the same parameters,
+    optimizer state, GradScaler scale and noise-scale estimate (all ranks measured the same
+    steps)."""
     by_step = collections.defaultdict(set)
     for entry in commits:
         if entry["optim"]:
-            noise = json.dumps(entry.get("noise"))
-            by_step[(entry["step"], entry["size"])].add((entry["params"], noise))
+            held = json.dumps([entry.get("noise"), entry.get("optimizer"), entry.get("scale")])
+            by_step[(entry["step"], entry["size"])].add((entry["params"], held))
     differing = {key: len(hashes) for key, hashes in by_step.items() if len(hashes) > 1}
     assert by_step and not differing, f"replicas differ at (step, size): {differing}"

@@ -3,7 +3,9 @@
 ``--term-step N``: the last rank sends itself SIGTERM after step N. Every rank
 reports what it holds when the drain exits it (``drained``), or, on a run
 that resumed from the checkpoint, what it holds after the first sync
-(``resumed``).
+(``resumed``). ``--batch-seconds S --commit-every N``: batches take S seconds
+and every N-th is committed (commits far apart); rank 0 appends each
+commit's step count and time to ``commits.txt`` in the output folder.
 """
 import argparse
 import hashlib
@@ -15,7 +17,7 @@ import torch
 from horovod.torch.elastic.state import StateHandler
 
 import hvd_adapt
-from _report import report
+from _report import out_path, report
 
 
 class SlowToSave:
@@ -58,6 +60,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint", required=True)
 parser.add_argument("--term-step", type=int, default=-1)
 parser.add_argument("--slow-save", type=float, default=2.0)
+parser.add_argument("--batch-seconds", type=float, default=0.0)
+parser.add_argument("--commit-every", type=int, default=1)
 args = parser.parse_args()
 
 hvd_adapt.register_handler(SlowToSave, SlowHandler)
@@ -89,11 +93,17 @@ def train(state):
             if state.steps == args.term_step and \
                     hvd_adapt.env.rank() == hvd_adapt.env.size() - 1:
                 os.kill(os.getpid(), signal.SIGTERM)
-            state.commit()
+            time.sleep(args.batch_seconds)
+            if state.steps % args.commit_every == 0:
+                state.commit()
+                if hvd_adapt.env.rank() == 0:
+                    with open(out_path("commits.txt"), "a") as f:
+                        f.write(f"{state.steps} {time.time()}\n")
 
 
 try:
     train(state)
 except SystemExit as stop:
-    report({"drained": holding(state, model, loader), "code": stop.code}, hvd_adapt.env.rank())
+    report({"drained": holding(state, model, loader), "code": stop.code, "time": time.time()},
+           hvd_adapt.env.rank())
     raise

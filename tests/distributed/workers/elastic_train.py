@@ -39,6 +39,13 @@ class CommitLog:
         self.path = path
         self.pending = []
 
+    # Nothing of it belongs in a checkpoint: each process logs to its own file.
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
 
 class CommitLogHandler(StateHandler):
     def save(self):
@@ -60,6 +67,23 @@ def params_digest(model):
     for p in model.parameters():
         h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def optimizer_digest(opt):
+    """A hash of every tensor and number of the wrapped optimizer's state (moments, steps)."""
+    h = hashlib.sha256()
+    for index, entry in sorted(opt.optimizer.state_dict()["state"].items()):
+        for key in sorted(entry):
+            value = entry[key]
+            data = value.detach().cpu().float().numpy().tobytes() if torch.is_tensor(value) \
+                else repr(value).encode()
+            h.update(f"{index}.{key}".encode() + data)
+    return h.hexdigest()
+
+
+def append_line(name, entry):
+    with open(out_path(name), "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def write_progress(step):
@@ -87,8 +111,44 @@ def main():
     parser.add_argument("--pause-on-interrupt", type=float, default=0.0,
                         help="rank 0 writes the file 'interrupted' at the first host-update "
                              "interrupt and waits this long before resetting")
+    parser.add_argument("--adamw", action="store_true", help="AdamW with weight decay")
+    parser.add_argument("--amp", action="store_true",
+                        help="bf16 autocast with a GradScaler (in the optimizer and the State)")
+    parser.add_argument("--inf-steps", type=json.loads, default=[],
+                        help="steps at which the last rank's loss overflows (the scale backs off)")
+    parser.add_argument("--slow-join", type=float, default=0.0,
+                        help="a worker started after the job committed once sleeps this long "
+                             "before init(), as on a cluster (ssh, container, imports)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="checkpoint path, '{host}' replaced by this worker's host: "
+                             "resumed from at the start, written at every epoch's end")
+    parser.add_argument("--kill-after-join", default=None,
+                        help="the worker on this host kills itself right after the first sync "
+                             "of a world of two, before any commit")
+    parser.add_argument("--commit-sleep", type=float, default=0.0,
+                        help="seconds each commit waits first (commits far apart)")
+    parser.add_argument("--break-checkpoint-at-epoch", type=int, default=-1,
+                        help="rank 0 puts a file where the checkpoint's folder was when this "
+                             "epoch starts, so that the epoch's checkpoint write fails")
+    parser.add_argument("--kill-old-after-grow", type=int, default=0,
+                        help="up to this many times, right after the sync of a world that "
+                             "grew, the lowest rank that held the state before dies")
+    parser.add_argument("--kill-in-checkpoint", type=int, default=0,
+                        help="up to this many times, rank 0 dies at an epoch's first batch "
+                             "while its checkpoint write (slowed down) is under way")
+    parser.add_argument("--slow-checkpoint-fsync", type=float, default=0.0,
+                        help="seconds each fsync of a checkpoint write takes on rank 0")
+    parser.add_argument("--drain", action="store_true",
+                        help="a SIGTERM drains the job into --checkpoint")
+    parser.add_argument("--batch-seconds", type=float, default=0.0)
+    parser.add_argument("--commit-every", type=int, default=1,
+                        help="commit at every N-th optimizer step; check for host changes "
+                             "after the other batches (the digits example's pattern)")
     args = parser.parse_args()
 
+    host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    if args.slow_join and os.path.exists(out_path("committed")):
+        time.sleep(args.slow_join)
     hvd_adapt.register_handler(CommitLog, CommitLogHandler)
     threads_before = torch.get_num_threads()
     hvd_adapt.init()
@@ -96,10 +156,15 @@ def main():
     # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
     device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
     model = torch.nn.Linear(4, 1).to(device)
-    # Weight decay and momentum: a sync that stepped the optimizer (as Horovod's
-    # broadcast_optimizer_state does) would show as replicas that differ.
-    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
-                                                         momentum=0.9, weight_decay=0.01))
+    # Weight decay with momentum or AdamW: a sync that stepped the optimizer (as
+    # Horovod's broadcast_optimizer_state does) would show as replicas that differ.
+    if args.adamw:
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.01)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=3) \
+        if args.amp else None
+    opt = hvd_adapt.DistributedOptimizer(inner, grad_scaler=scaler)
     loader = hvd_adapt.AdaptiveDataLoader(IndexDataset(args.samples), batch_size=args.batch_size,
                                           shuffle=True, seed=3)
     if args.autoscale:
@@ -108,11 +173,30 @@ def main():
                                     gradient_accumulation=True, decide_every=2)
     stats = hvd_adapt.Accumulator()
     log = CommitLog(out_path(f"commits.{os.getpid()}.jsonl"))
-    state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats, log=log,
-                            step=0, waited=[])
-    host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    values = dict(model=model, optimizer=opt, loader=loader, stats=stats, log=log, step=0,
+                  waited=[])
+    if scaler is not None:
+        values["scaler"] = scaler
+    state = hvd_adapt.State(**values)
+    checkpoint = args.checkpoint.replace("{host}", host) if args.checkpoint else None
+    if args.slow_checkpoint_fsync:
+        slow_down_checkpoint_fsyncs(args.slow_checkpoint_fsync)
+    if args.drain:
+        hvd_adapt.install_sigterm_drain(state, checkpoint_path=checkpoint)
+    if checkpoint is not None:
+        state.load_checkpoint(checkpoint)
+
+    def holding():
+        """What this rank holds now, for comparing ranks and restore points."""
+        return {"rank": hvd.rank(), "size": hvd.size(), "host": host, "step": state.step,
+                "epoch": state.epoch, "position": loader.sampler.position,
+                "params": params_digest(model), "optimizer": optimizer_digest(opt),
+                "scale": None if scaler is None else scaler.get_scale(),
+                "generation": getattr(state, "generation", None), "time": time.time()}
 
     def commit():
+        if args.commit_sleep:
+            time.sleep(args.commit_sleep)
         try:
             state.commit()
         except HostsUpdatedInterrupt:
@@ -125,6 +209,23 @@ def main():
                 time.sleep(args.pause_on_interrupt)
             raise
 
+    def check_hosts():
+        try:
+            state.check_host_updates()
+        except HostsUpdatedInterrupt:
+            # No restore follows an interrupt: what this rank trained since the
+            # last commit stays trained, so it is logged now (a removed worker
+            # exits at the reset).
+            CommitLogHandler(log).save()
+            raise
+
+    def commit_or_check():
+        if args.commit_every == 1 or (loader.is_optim_step()
+                                      and state.step % args.commit_every == 0):
+            commit()
+        else:
+            check_hosts()
+
     @hvd_adapt.run
     def train(state):
         # Horovod blacklists a dead worker's host and ends the job when that leaves
@@ -132,7 +233,29 @@ def main():
         # hosts that have stepped together.
         hosts = len(set(hvd.allgather_object(host))) if args.kill_plan else 0
         world_start, world_started = state.step, time.time()
-        for epoch in hvd_adapt.remaining_epochs_until(args.epochs):
+        append_line(f"attempts.{os.getpid()}.jsonl", holding())
+        size_before = worlds_seen[-1] if worlds_seen else None
+        worlds_seen.append(hvd.size())
+        if args.kill_old_after_grow:
+            kill_an_old_rank_after_a_grow(args.kill_old_after_grow, size_before)
+        if args.kill_after_join == host and hvd.size() == 2:
+            try:
+                fd = os.open(out_path("killed_after_join"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+            except FileExistsError:
+                pass
+        for epoch in hvd_adapt.remaining_epochs_until(args.epochs, checkpoint=checkpoint):
+            if args.kill_in_checkpoint and hvd.rank() == 0 and hvd.size() > 1 and epoch > 0:
+                kill_once(args.kill_in_checkpoint, "in_checkpoint")
+            if args.kill_in_checkpoint and hvd.rank() == 0 and epoch > 0:
+                record_checkpoint_age(state, checkpoint)
+            if epoch == args.break_checkpoint_at_epoch and hvd.rank() == 0:
+                state.wait_for_checkpoint()      # the last epoch's file is in the folder
+                folder = os.path.dirname(checkpoint)
+                if os.path.isdir(folder):
+                    os.rename(folder, folder + ".moved")
+                    open(folder, "w").close()
             for x, idx in loader:
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -140,10 +263,21 @@ def main():
                     planned_kill(args.kill_plan, state.step, loader.is_optim_step(),
                                  world_started)
                 real = idx[:len(idx) - loader.num_padded]
-                loss = model(x.to(device)).pow(2).mean()
                 opt.zero_grad()
-                loss.backward()
-                opt.step()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                    loss = model(x.to(device)).pow(2).mean()
+                if state.step in args.inf_steps and hvd.rank() == hvd.size() - 1:
+                    loss = loss * float("inf")
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if loader.is_optim_step():
+                        scaler.unscale_(opt)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                        scaler.step(opt)
+                        scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
                 stats["n"] += len(real)
                 stats["idsum"] += int(real.sum())
                 log.pending.append({"epoch": epoch, "indices": real.tolist(), "rank": hvd.rank(),
@@ -154,21 +288,26 @@ def main():
                                     "local_bsz": loader.current_local_bsz,
                                     "accum": loader.accumulation_steps, "choice": loader.choice,
                                     "optim": loader.is_optim_step(), "time": time.time(),
+                                    "optimizer": optimizer_digest(opt),
+                                    "scale": None if scaler is None else scaler.get_scale(),
                                     "threads": torch.get_num_threads(),
                                     "threads_before": threads_before,
                                     "cpus": len(os.sched_getaffinity(0))})
                 if loader.is_optim_step():
                     state.step += 1
-                commit()
+                time.sleep(args.batch_seconds)
+                commit_or_check()
                 if hvd.rank() == 0:
                     write_progress(state.step)
+                    if not os.path.exists(out_path("committed")):
+                        open(out_path("committed"), "w").close()
                 if state.step in args.wait_steps and state.step not in state.waited:
                     state.waited = state.waited + [state.step]
                     # Hold still at this step until the driver's resize reaches us.
                     deadline = time.time() + args.hold_seconds
                     while time.time() < deadline:
                         time.sleep(0.1)
-                        commit()
+                        commit() if args.commit_every == 1 else check_hosts()
             with stats.synchronized():
                 if hvd.rank() == 0:
                     with open(out_path("epochs.jsonl"), "a") as f:
@@ -177,8 +316,74 @@ def main():
                 stats.clear()
             if args.until_step is not None and state.step >= args.until_step:
                 break
+            if (args.kill_old_after_grow or args.kill_in_checkpoint) and kills_fired() >= max(
+                    args.kill_old_after_grow, args.kill_in_checkpoint):
+                break
 
     train(state)
+
+
+worlds_seen = []   # this process's world sizes, one per attempt of the training function
+
+
+def kills_fired():
+    return len([name for name in os.listdir(os.path.dirname(out_path("x")))
+                if name.startswith("killed.")])
+
+
+def kill_once(limit, kind):
+    """SIGKILL this worker, recording the kill, unless ``limit`` kills fired already."""
+    if kills_fired() >= limit:
+        return
+    marker = out_path(f"killed.{kind}.{kills_fired()}")
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, json.dumps({"rank": hvd.rank(), "size": hvd.size(), "kind": kind,
+                             "time": time.time()}).encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_an_old_rank_after_a_grow(limit, size_before):
+    """Right after the sync of a world larger than this process's last one, before any
+    commit: the lowest rank that held the job's state before dies, so a joining worker is
+    left alone with what it was synced to as its restore point."""
+    before = hvd.allgather_object(size_before)
+    old = [rank for rank, size in enumerate(before) if size is not None]
+    grew = old and hvd.size() > max(before[rank] for rank in old)
+    if grew and hvd.rank() == old[0]:
+        kill_once(limit, "after_grow")
+
+
+def slow_down_checkpoint_fsyncs(seconds):
+    """Make rank 0's checkpoint writes slow (a busy shared file system), so a kill lands
+    while one is under way."""
+    from hvd_adapt.elastic import checkpoint as checkpoint_file
+    real_fsync = os.fsync
+
+    class SlowOs:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def fsync(fd):
+            if hvd.rank() == 0:
+                time.sleep(seconds)
+            real_fsync(fd)
+
+    checkpoint_file.os = SlowOs()
+
+
+def record_checkpoint_age(state, path):
+    """Rank 0 at an epoch's start: the generation its checkpoint holds (after its writes
+    ended) against that of the last epoch's end committed."""
+    from hvd_adapt.elastic import checkpoint as checkpoint_file
+    state.wait_for_checkpoint()
+    append_line("checkpoint_ages.jsonl", {
+        "epoch": state.epoch, "file": checkpoint_file.generation_of(path),
+        "epoch_end": state.epochs.epoch_end_commits, "host": os.environ.get("HOROVOD_HOSTNAME")})
 
 
 def planned_kill(plan, step, optim_step, world_started):

@@ -1,0 +1,84 @@
+"""Checkpoint files (hvd_adapt/elastic/checkpoint.py): private temporary files, fsyncs, and
+generations that an older write can never replace."""
+import os
+import stat
+import time
+
+import pytest
+import torch
+
+from hvd_adapt.elastic import checkpoint
+
+
+def write(path, generation, value):
+    return checkpoint.write_atomically(
+        path, lambda f: torch.save({"format": checkpoint.FORMAT, "generation": generation,
+                                    "value": value}, f), generation)
+
+
+def test_a_file_is_private_and_no_temporary_file_is_left(tmp_path):
+    path = str(tmp_path / "job.pt")
+    assert write(path, 1, "a")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.LOCK_NAME, "job.pt"]
+    assert checkpoint.generation_of(path) == 1
+
+
+def test_an_older_generation_never_replaces_a_newer_one(tmp_path):
+    # A worker that stopped being rank 0 may finish its background write after
+    # the new rank 0 wrote a later commit: the checkpoint must not go back in time.
+    path = str(tmp_path / "job.pt")
+    assert write(path, 7, "newer")
+    assert not write(path, 5, "older")
+    assert torch.load(path)["value"] == "newer" and checkpoint.generation_of(path) == 7
+    assert write(path, 7, "same commit again") and write(path, 8, "next")
+    assert checkpoint.generation_of(path) == 8
+    assert os.listdir(tmp_path).count("job.pt") == 1 and len(os.listdir(tmp_path)) == 2
+
+
+def test_the_temporary_name_is_not_predictable_nor_followed_through_a_link(tmp_path):
+    # A predictable name (job.pt.tmp.<pid>) opened without O_EXCL let anyone who
+    # can write the directory plant a link there and have the write clobber its target.
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    path = str(tmp_path / "job.pt")
+    os.symlink(victim, f"{path}.tmp.{os.getpid()}")
+    assert write(path, 1, "a")
+    assert victim.read_text() == "keep me"
+
+
+def test_the_file_and_its_directory_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    write(str(tmp_path / "job.pt"), 1, "a")
+    assert synced == [False, True], "the file, then the directory holding the rename"
+
+
+def test_generation_of_a_missing_or_foreign_file(tmp_path):
+    assert checkpoint.generation_of(str(tmp_path / "none.pt")) is None
+    other = tmp_path / "other.pt"
+    torch.save({"something": 1}, str(other))
+    with pytest.raises(checkpoint.CheckpointError, match="not an hvd_adapt checkpoint"):
+        checkpoint.generation_of(str(other))
+
+
+def test_a_background_failure_is_reported_without_waiting_and_raised_once(tmp_path):
+    (tmp_path / "file").write_text("a file where a directory should be")
+    writer = checkpoint.CheckpointWriter()
+    writer.write({"handlers": {}, "objects": {}}, str(tmp_path / "file" / "job.pt"), 3,
+                 background=True)
+    with pytest.raises(checkpoint.CheckpointError, match="job.pt failed"):
+        writer.wait()
+    assert writer.failure() is None
+    writer.write({"handlers": {}, "objects": {}}, str(tmp_path / "file" / "job.pt"), 4,
+                 background=True)
+    deadline = time.time() + 30
+    while writer.failure() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert "job.pt failed" in writer.failure()
