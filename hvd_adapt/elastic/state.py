@@ -234,7 +234,7 @@ class State(TorchState):
             return
         self._sync_world(full=True)
 
-    def _sync_world(self, full, wanted_checkpoint=None):
+    def _sync_world(self, full, wanted_checkpoint=None, failed=None):
         # Every rank of a new world passes here once: through sync() where
         # Horovod syncs (a start, a joining worker, after a failure), through
         # resync_after_reset() where Horovod let a survivor skip its sync
@@ -248,7 +248,9 @@ class State(TorchState):
         # start-up; the others wait for it without spinning.
         self._check_carried()
         generation, unreadable = agreement.NO_FILE, None
-        if wanted_checkpoint is not None:
+        if failed is not None:
+            generation, unreadable = agreement.UNREADABLE, str(failed)
+        elif wanted_checkpoint is not None:
             try:
                 found = checkpoint.generation_of(wanted_checkpoint[0])
                 generation = agreement.NO_FILE if found is None else found
@@ -427,8 +429,15 @@ class State(TorchState):
         :class:`hvd_adapt.CheckpointError` on every rank, naming the file,
         if it is corrupt or was written for a State with other contents.
         """
-        self.settle_checkpoint()
-        self._sync_world(full=True, wanted_checkpoint=(path, trusted))
+        # No collective before the sync's own: a worker joining a running job
+        # meets the survivors' sync here. A write of this process's that
+        # failed is reported through the sync's agreement instead.
+        try:
+            self._checkpoint_writer.wait()
+            failed = None
+        except checkpoint.CheckpointError as e:
+            failed = e
+        self._sync_world(full=True, wanted_checkpoint=(path, trusted), failed=failed)
         self._skip_next_sync = True
         return self.epochs.resumed
 

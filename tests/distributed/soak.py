@@ -172,8 +172,8 @@ def _fired(out_dir):
     for path in glob.glob(os.path.join(out_dir, "killed.*")):
         with open(path) as f:
             text = f.read()
-        entry = json.loads(text) if text else {}
-        fired.append(dict({"rank": -1}, **entry, time=os.path.getmtime(path)))
+        entry = dict({"rank": -1, "time": os.path.getmtime(path)}, **(json.loads(text) if text else {}))
+        fired.append(entry)
     return fired
 
 

@@ -350,7 +350,7 @@ def kill_an_old_rank_after_a_grow(limit, size_before):
     """Right after the sync of a world larger than this process's last one, before any
     commit: the lowest rank that held the job's state before dies, so a joining worker is
     left alone with what it was synced to as its restore point."""
-    before = hvd.allgather_object(size_before)
+    before = hvd.allgather_object(size_before, name="size_before")
     old = [rank for rank, size in enumerate(before) if size is not None]
     grew = old and hvd.size() > max(before[rank] for rank in old)
     if grew and hvd.rank() == old[0]:
