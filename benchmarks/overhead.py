@@ -1,11 +1,15 @@
 """Per-step cost of the hvd_adapt loop against a plain Horovod loop, 1 and 2 processes.
 
-Both loops train the same MLP on the same in-memory data at the same fixed
-batch size, for each model size asked for (``--model``): ``mlp-small``
+Both loops train the same model on the same in-memory data at the same fixed
+batch size, for each model asked for (``--model``): ``mlp-small``
 (256-512-512-10, 0.4M parameters, batch 64), ``mlp-8m`` (8 x Linear(1024,
-1024), batch 64) and ``mlp-25m`` (6 x Linear(2048, 2048), batch 32). Small
-models hide communication costs; the large ones show whether gradients are
-averaged while backward still runs, as ``hvd.DistributedOptimizer`` does. The
+1024), batch 64), ``mlp-25m`` (6 x Linear(2048, 2048), batch 32) and
+``transformer-24`` (24 pre-norm blocks of width 128 with separate q/k/v/o
+projections and a gated feed-forward: 434 parameter tensors, 4.0M
+parameters, batch 32 of 16 tokens). Small models hide communication costs;
+the large ones show whether gradients are averaged while backward still
+runs, as ``hvd.DistributedOptimizer`` does; the transformer shows the Python
+work done per parameter tensor (hooks, buckets, norms). The
 plain loop the plain one uses torch's DataLoader with a DistributedSampler
 and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
 hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()``. Each
@@ -54,11 +58,15 @@ def worker(args):
     width, depth = MODELS[args.model][:2]
     gen = torch.Generator().manual_seed(0)
     samples = local_bsz * size * (args.steps + args.warmup + 5)
-    data = TensorDataset(torch.randn(samples, width, generator=gen),
+    shape = (samples, TOKENS, width) if args.model.startswith("transformer") else (samples, width)
+    data = TensorDataset(torch.randn(*shape, generator=gen),
                          torch.randint(0, 10, (samples,), generator=gen))
 
     def model_and_sgd():
         torch.manual_seed(0)
+        if args.model.startswith("transformer"):
+            model = Transformer(width, depth).to(device)
+            return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if args.model == "mlp-small":
             layers = [torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
                       torch.nn.ReLU(), torch.nn.Linear(512, 10)]
@@ -165,7 +173,42 @@ def median_interval(values, level=0.9, resamples=2000):
 
 # name: (width, depth, global batch, timed steps, rounds)
 MODELS = {"mlp-small": (256, 2, 64, 1200, 12), "mlp-8m": (1024, 8, 64, 320, 16),
-          "mlp-25m": (2048, 6, 32, 160, 16)}
+          "mlp-25m": (2048, 6, 32, 160, 16), "transformer-24": (128, 24, 32, 240, 12)}
+TOKENS = 16
+
+
+def Transformer(width, depth):
+    """A stack of pre-norm blocks with 18 parameter tensors each (q, k, v, o, a gated
+    feed-forward's three projections, two LayerNorms), mean-pooled into 10 classes."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+            self.gate = torch.nn.Linear(width, 2 * width)
+            self.up = torch.nn.Linear(width, 2 * width)
+            self.down = torch.nn.Linear(2 * width, width)
+
+        def forward(self, x):
+            h = self.norm1(x)
+            attention = F.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h))
+            x = x + self.o(attention)
+            h = self.norm2(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*(Block() for _ in range(depth)))
+            self.head = torch.nn.Linear(width, 10)
+
+        def forward(self, x):
+            return self.head(self.blocks(x).mean(1))
+
+    return Model()
 
 
 def peak_memory(device):

@@ -20,6 +20,7 @@ _EXPORTS = {
     "AutoscalePolicy": "hvd_adapt.autoscale.policy",
     "StepProfile": "hvd_adapt.autoscale.profile",
     "DistributedOptimizer": "hvd_adapt.optim.distributed",
+    "AbandonedBackwardError": "hvd_adapt.optim.exchange",
     "GradientNoiseScale": "hvd_adapt.optim.noise",
     "ScalingRule": "hvd_adapt.optim.scaling_rules",
     "AdaScale": "hvd_adapt.optim.scaling_rules",

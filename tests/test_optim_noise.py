@@ -152,9 +152,11 @@ def test_local_norms_travel_in_the_gradients_dtype_when_it_holds_them():
     assert noise.stats_dtype(params(torch.float32, torch.float16)) == torch.float64
 
 
-def test_adams_denominators_are_computed_once_per_measured_cycle(monkeypatch):
-    # It serves the micro-batch norms in the hooks and the mean gradient's after
-    # them; computed for each, it cost a quarter of a small transformer's step.
+def test_adams_denominators_exist_a_bucket_at_a_time(monkeypatch):
+    # sqrt(v_hat)+eps is as large as the parameters: computed where each norm
+    # is taken (a bucket's micro-batch norms, a tensor's in a later micro-step's
+    # hook, a bucket's mean-gradient norm) and never kept across micro-steps,
+    # so a measured cycle needs at most one bucket's worth more memory.
     import hvd_adapt
     import hvd_adapt.optim.distributed as distributed
     from small_jobs import linear_classifier
@@ -162,16 +164,18 @@ def test_adams_denominators_are_computed_once_per_measured_cycle(monkeypatch):
     calls = []
 
     def counted(states, group):
-        calls.extend(state for state in states if state)
+        calls.append(len([state for state in states if state]))
         return noise.adam_denominators(states, group)
     monkeypatch.setattr(distributed, "adam_denominators", counted)
+    # Buckets of one tensor each.
     model, opt, loader = linear_classifier(lambda params: torch.optim.AdamW(params, lr=0.01),
-                                           measure_noise=True)
+                                           measure_noise=True, bucket_cap_mb=1e-9)
     for x, y in loader:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    # Steps 0 and 4 are measured on two half batches each; at step 0 Adam has
-    # no second moment yet, so only step 4's cycle needs one per parameter.
     assert opt.gns.num_updates == 2
-    assert len(calls) == 2, len(calls)
+    # Steps 0 and 4 are measured on two half batches; at step 0 Adam has no
+    # second moment yet. At step 4 each of the 2 tensors' denominators is
+    # computed three times: first half, second half, mean.
+    assert max(calls) == 1 and sum(calls) == 6, calls

@@ -43,25 +43,39 @@ def test_exact_factors(sqr, trace, scale):
     assert group["betas"] == pytest.approx((0.9 ** gain, 0.999 ** gain))
 
 
-def test_legw_warms_up_over_scaled_epochs():
-    gns = gns_with(1.0, 1.0)
-    rule = LEGWScale(base_warmup_epochs=2, data_size=1000)
-    # scale 4 at B0 = 10: warm-up lasts 2 * 4 * 1000 / 10 = 800 B0-steps, up to sqrt(4) = 2.
-    gns.progress = 200
-    assert rule.lr_factors(gns, 40, 10, 1) == pytest.approx([0.5])
-    gns.progress = 800
-    assert rule.lr_factors(gns, 40, 10, 1) == pytest.approx([2.0])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_legw_follows_the_papers_closed_form(k):
+    # You et al. 2019: at k times the base batch, warm up linearly over k times the
+    # base warm-up epochs to sqrt(k) times the base lr. In optimizer steps that is
+    # E0 * N / B0 at every batch size (k * E0 epochs of N / (k * B0) steps).
+    e0, n, b0 = 5, 1000, 10
+    rule = LEGWScale(base_warmup_epochs=e0, data_size=n)
+    warmup_steps = e0 * n / b0
+    steps_per_epoch = n / (k * b0)
+    assert warmup_steps / steps_per_epoch == k * e0
+    for t in (0, 100, 250, 499, 500, 5000):
+        gns = type("Steps", (), {"steps": t})()
+        expected = math.sqrt(k) * min(1.0, t / warmup_steps)
+        assert rule.lr_factors(gns, k * b0, b0, 1) == pytest.approx([expected])
     with pytest.raises(ValueError, match="data_size must be >= 1, got 0"):
         LEGWScale(1, 0)
 
 
+def test_legw_gives_a_larger_batch_a_larger_lr_at_every_step():
+    rule = LEGWScale(base_warmup_epochs=5, data_size=1000)
+    gns = type("Steps", (), {"steps": 400})()
+    factors = [float(rule.lr_factors(gns, k * 10, 10, 1)[0]) for k in (1, 2, 4, 8)]
+    assert factors == sorted(factors) and factors[0] == pytest.approx(0.8)
+
+
 def test_default_rule_follows_the_optimizer():
-    w = [torch.nn.Parameter(torch.zeros(1))]
-    assert type(DistributedOptimizer(torch.optim.Adam(w)).scaling_rule) is AdamScale
-    assert type(DistributedOptimizer(torch.optim.AdamW(w)).scaling_rule) is AdamScale
-    assert type(DistributedOptimizer(torch.optim.SGD(w, lr=0.1)).scaling_rule) is AdaScale
+    def w():
+        return [torch.nn.Parameter(torch.zeros(1))]
+    assert type(DistributedOptimizer(torch.optim.Adam(w())).scaling_rule) is AdamScale
+    assert type(DistributedOptimizer(torch.optim.AdamW(w())).scaling_rule) is AdamScale
+    assert type(DistributedOptimizer(torch.optim.SGD(w(), lr=0.1)).scaling_rule) is AdaScale
     with pytest.raises(ValueError, match="ScalingRule"):
-        DistributedOptimizer(torch.optim.SGD(w, lr=0.1), scaling_rule="linear")
+        DistributedOptimizer(torch.optim.SGD(w(), lr=0.1), scaling_rule="linear")
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         DistributedOptimizer(object())
 
@@ -158,15 +172,15 @@ def steps_seen(rule, batch_size, init_batch_size, steps=3, groups=1, gns=None):
     return inner.seen, opt
 
 
-def test_legw_warms_up_at_the_initial_batch_too():
+def test_legw_warms_up_inside_the_optimizer_by_its_steps():
     rule = LEGWScale(base_warmup_epochs=1, data_size=40)
-    # At B0 = 10 the warm-up lasts 1 * 1 * 40 / 10 = 4 B0-steps: lr x 0, 1/4, 2/4.
+    # 1 * 40 / 10 = 4 optimizer steps at any batch: lr x 0, 1/4, 2/4 at B0 ...
     seen, _ = steps_seen(rule, 10, 10)
     assert [s[0][0] for s in seen] == pytest.approx([0.0, 0.025, 0.05])
-    # At 2 x B0 it lasts 8 B0-steps, up to sqrt(2): lr x sqrt(2) * progress / 8.
+    # ... and x sqrt(2) as much at 2 x B0.
     seen, opt = steps_seen(rule, 20, 10)
-    assert [s[0][0] for s in seen] == pytest.approx([0.1 * math.sqrt(2) * k / 8 for k in (0, 1, 2)])
-    assert opt.gns.progress == 3  # gain 1 without a noise estimate
+    assert [s[0][0] for s in seen] == pytest.approx([0.1 * math.sqrt(2) * k / 4 for k in (0, 1, 2)])
+    assert opt.gns.steps == 3 and opt.gns.progress == 3  # gain 1 without a noise estimate
 
 
 @pytest.mark.parametrize("rule,factor", [

@@ -10,7 +10,6 @@ import time
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.functions import broadcast_parameters
 
 
 def allreduce(value, name=None):
@@ -93,6 +92,36 @@ def allgather_object(obj, name=None):
     return objects
 
 
+def in_place_view(tensor):
+    """``(view, copied)``: a contiguous tensor sharing ``tensor``'s memory (a permutation of
+    its dimensions: a channels_last tensor is contiguous in NHWC order), so that a Horovod
+    operation, which takes contiguous tensors only, can work in place; or, where no
+    permutation is contiguous, a contiguous copy to be copied back (``copied`` True)."""
+    if tensor.is_contiguous():
+        return tensor, False
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))
+    view = tensor.permute(order)
+    if view.is_contiguous():
+        return view, False
+    return tensor.contiguous(), True
+
+
+def broadcast_tensors(named_tensors, root_rank=0):
+    """Collective: every ``(name, tensor)`` takes ``root_rank``'s values, in place, whatever its
+    memory layout (Horovod's ``broadcast_parameters`` refuses a channels_last parameter)."""
+    if hvd.size() == 1:
+        return
+    handles = []
+    for name, tensor in named_tensors:
+        view, copied = in_place_view(tensor.view(-1) if tensor.dim() == 0 else tensor)
+        handles.append((hvd.broadcast_async_(view, root_rank=root_rank, name=name), tensor,
+                        view, copied))
+    for handle, tensor, view, copied in handles:
+        hvd.synchronize(handle)
+        if copied:
+            tensor.copy_(view)
+
+
 def broadcast_optimizer_state(optimizer, root_rank=0):
     """Collective: make ``optimizer``'s state and hyper-parameters those of ``root_rank``.
 
@@ -130,8 +159,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
             return slots[-1]
 
         received = _map_leaves(skeleton, _TensorSlot, from_slot)
-    broadcast_parameters([(f"hvd_adapt.optimizer_state.{i}", t.view(-1) if t.dim() == 0 else t)
-                          for i, t in enumerate(slots)], root_rank=root_rank)
+    broadcast_tensors([(f"hvd_adapt.optimizer_state.{i}", t) for i, t in enumerate(slots)],
+                      root_rank=root_rank)
     if not root:
         optimizer.load_state_dict(received)
 

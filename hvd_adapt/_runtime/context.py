@@ -26,6 +26,18 @@ class RuntimeContext:
         self.collective_objects = weakref.WeakSet()
         #: True while ``hvd_adapt.run`` runs the training function.
         self.in_run = False
+        self._hooked_params = None
+
+    @property
+    def hooked_params(self):
+        """Parameter -> weak reference to the distributed optimizer averaging it: two live
+        optimizers over one parameter would average its gradient twice."""
+        if self._hooked_params is None:
+            # Keys by identity (a tensor's == compares elements); torch is
+            # loaded only once this is needed.
+            from torch.utils.weak import WeakIdKeyDictionary
+            self._hooked_params = WeakIdKeyDictionary()
+        return self._hooked_params
 
 
 CONTEXT = RuntimeContext()

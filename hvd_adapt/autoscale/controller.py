@@ -64,11 +64,13 @@ class Controller:
         self._measuring = None
         self._choice = None
         self._micro = 0
+        self._position = 0           # the batch just handed out: its place in its cycle
         self._split_first = None     # samples of a split step's first half, while it is open
         self._split_micro_bsz = None  # set on the second half, until the next batch
         self._times_halves = False   # rank 0's word: this world splits steps to time a half
         self._needs_decision = True
         self._steps_since_decision = 0   # the same on every rank: the splits' phase
+        self._optim_steps = 0            # the same on every rank: which steps are measured
         self._epoch_progress_start = 0.0
         self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
         self._abandon_listeners = []
@@ -133,7 +135,7 @@ class Controller:
     # -- accumulation cycles -----------------------------------------------------------
     def start_cycles(self):
         """A new pass over the data starts: its first batch opens a cycle."""
-        self._micro = 0
+        self._micro = self._position = 0
         self._split_first = self._split_micro_bsz = None
 
     def on_cycle_abandoned(self, callback):
@@ -152,6 +154,8 @@ class Controller:
         """Account one batch handed out; ``last_of_plan`` closes the cycle early.
         ``split_half``: the batch's samples when it is half of a split step."""
         self._split_micro_bsz = None
+        self._position = self._micro if split_half is None or self._split_first is not None \
+            else 0
         if split_half is not None:
             if self._split_first is None:
                 self._split_first, self._micro = split_half, 1
@@ -203,6 +207,10 @@ class Controller:
         """True when the batch just handed out ends an accumulation cycle."""
         return self._micro == 0
 
+    def cycle_position(self):
+        """How many batches of its accumulation cycle came before the one just handed out."""
+        return self._position
+
     # -- deciding ----------------------------------------------------------------------
     def request_decision(self):
         """Decide again before the next batch (after a resize or restore)."""
@@ -213,9 +221,16 @@ class Controller:
         """True when the next batch must wait for a decision."""
         return self._needs_decision
 
+    def measure_due(self):
+        """True when the optimizer step under way is one whose noise is measured: one in
+        ``MEASURE_EVERY`` of the steps this loader handed out, a count in its state (synced,
+        restored and checkpointed with it), so every rank agrees without a word."""
+        return self._optim_steps % MEASURE_EVERY == 0
+
     def optim_step_done(self):
         """Count one optimizer step towards ``decide_every``."""
         self._steps_since_decision += 1
+        self._optim_steps += 1
         if self.policy is not None and self._steps_since_decision >= self.policy.decide_every:
             self._needs_decision = True
 
@@ -352,12 +367,14 @@ class Controller:
 
     def state_dict(self):
         return {"profile": self.profile.state_dict(), "choice": self._choice,
-                "epoch_progress_start": self._epoch_progress_start}
+                "epoch_progress_start": self._epoch_progress_start,
+                "optim_steps": self._optim_steps}
 
     def load_state_dict(self, state):
         self.profile.load_state_dict(state["profile"])
         self._choice = None if state["choice"] is None else tuple(state["choice"])
         self._epoch_progress_start = state["epoch_progress_start"]
+        self._optim_steps = state.get("optim_steps", 0)
         self._epoch_verdict = None
         self.start_cycles()
         self._needs_decision = True

@@ -12,7 +12,6 @@ import copy
 
 import torch
 from horovod.torch.elastic.state import StateHandler
-from horovod.torch.functions import broadcast_parameters
 
 from .._runtime import collective
 from .._runtime.context import CONTEXT
@@ -105,7 +104,9 @@ class ModelHandler(StateDictHandler):
     light = False
 
     def sync(self):
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        collective.broadcast_tensors(
+            [(f"hvd_adapt.model.{name}", t) for name, t in self.value.state_dict().items()
+             if torch.is_tensor(t)], root_rank=0)
 
 
 class TorchOptimizerHandler(StateDictHandler):

@@ -8,12 +8,15 @@ lines: the class speaks both torch's Optimizer protocol and Horovod's
 optimizer API, and splitting one class would scatter its step.)
 """
 import contextlib
+import gc
+import hashlib
 import logging
+import weakref
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.functions import broadcast_parameters
 
+from .._checks import check_bool
 from .._runtime import collective, env
 from .._runtime.context import CONTEXT
 from ..autoscale.controller import MEASURE_EVERY, Controller
@@ -59,8 +62,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     autoscales its batch size; for Adam-like optimizers in the space their
     second moment preconditions. Pass ``grad_scaler`` (a
     ``torch.amp.GradScaler``) so that the measurements are divided by its
-    loss scale. ``compression``, ``op`` and ``gradient_predivide_factor``
-    mean what they mean to ``hvd.DistributedOptimizer``.
+    loss scale and its scale is saved, synced and checkpointed with this
+    optimizer's state. ``compression``, ``op``, ``gradient_predivide_factor``
+    and ``sparse_as_dense`` mean what they mean to ``hvd.DistributedOptimizer``;
+    ``named_parameters`` (``model.named_parameters()``) lets errors name a
+    parameter. A backward pass that raises (caught) drops its accumulation
+    cycle on every rank, or, where it raised on some ranks only, makes every
+    rank raise :class:`hvd_adapt.AbandonedBackwardError` (see ``exchange.py``).
 
     >>> import hvd_adapt, torch
     >>> hvd_adapt.init()
@@ -73,7 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None,
                  compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None,
-                 bucket_cap_mb=None):
+                 bucket_cap_mb=None, sparse_as_dense=False, named_parameters=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if callable(getattr(optimizer, "synchronize", None)) \
@@ -94,11 +102,21 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got "
                              f"{gradient_predivide_factor!r}")
-        # Optimizer.__init__ is skipped on purpose: groups and state are the
-        # wrapped optimizer's own objects, so schedulers and checkpoints that
-        # touch either see one truth.
+        check_bool("sparse_as_dense", sparse_as_dense)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {p: name for name, p in (named_parameters or [])}
+        _check_not_hooked(params, names)
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
+        # torch's Optimizer.__init__ sets up what step hooks, profiling and
+        # state_dict hooks need. The groups and the state stay the wrapped
+        # optimizer's, looked up live (a load_state_dict replaces its group
+        # dicts): while adopting, the setters below keep nothing and
+        # add_param_group adds nothing.
+        self._adopting = True
+        try:
+            torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        finally:
+            self._adopting = False
         self.scaling_rule = scaling_rule or default_rule(optimizer)
         self.gns = GradientNoiseScale(len(optimizer.param_groups), smoothing=smoothing)
         self.measure_noise = measure_noise
@@ -107,31 +125,39 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self._skip_sync = False
         self._synced = False        # replicas were made alike (State.sync) before training
         self._op = op
-        self._compression = compression or hvd.Compression.none
         self._predivide = gradient_predivide_factor
-        self._bucket_cap_mb = bucket_cap_mb
-        self._exchange = None
-        self._hook_params()
+        #: Prefix of this optimizer's allreduce names: one per structure of
+        #: parameters, numbered among live optimizers of that structure, so the
+        #: same on every rank and never another optimizer's.
+        self.exchange_name = _exchange_name(params)
+        self._exchange = GradientExchange(
+            lambda: [group["params"] for group in self.optimizer.param_groups],
+            self._plan_cycle, self._denominators, compression or hvd.Compression.none, op,
+            gradient_predivide_factor, bucket_cap_mb, self.exchange_name,
+            sparse_as_dense=sparse_as_dense, names=names)
+        for p in params:
+            CONTEXT.hooked_params[p] = weakref.ref(self)
         # Its step makes collectives: a State must carry it.
         CONTEXT.collective_objects.add(self)
-
-    def _hook_params(self):
-        if self._exchange is not None:
-            self._exchange.remove()
-        self._group_of = {p: group for group in self.optimizer.param_groups
-                          for p in group["params"]}
-        self._exchange = GradientExchange(self.optimizer.param_groups, self._plan_cycle,
-                                          self._denominators, self._compression, self._op,
-                                          self._predivide, self._bucket_cap_mb)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value):
+        if not self._adopting:
+            raise AttributeError("the groups are the wrapped optimizer's: use add_param_group")
+
     @property
     def state(self):
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        if not self._adopting:
+            raise AttributeError("the state is the wrapped optimizer's: use load_state_dict")
 
     def __getstate__(self):
         raise TypeError("hvd_adapt.DistributedOptimizer is not picklable; save state_dict()")
@@ -140,20 +166,29 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return f"hvd_adapt.DistributedOptimizer({self.optimizer!r})"
 
     def add_param_group(self, param_group):
-        """Add a group to the wrapped optimizer; its parameters get gradient hooks too."""
+        """Add a group to the wrapped optimizer; its parameters are averaged too, the noise
+        scale gains a group and keeps its progress."""
+        if self._adopting:
+            return
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_not_hooked(params, {})
         self.optimizer.add_param_group(param_group)
-        self.gns = GradientNoiseScale(len(self.optimizer.param_groups), self.gns.smoothing)
-        if self._controller is not None:
-            self._controller.attach_noise_scale(self.gns, self._measuring)
-        self._hook_params()
+        self.gns.add_group()
+        self._exchange.hook(params)
+        for p in params:
+            CONTEXT.hooked_params[p] = weakref.ref(self)
 
     def zero_grad(self, set_to_none=True):
         """Clear the gradients, except between the micro-steps of an accumulation cycle."""
+        self._exchange.settle("zero_grad")
         if self._exchange.cycle_open:
             return
         # A step that was skipped (GradScaler found inf) leaves its cycle behind: drop it.
         self._exchange.take_finished()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        # Parameters frozen or unfrozen since the last step get their buckets now.
+        self._exchange.refresh()
 
     # -- collaborators -----------------------------------------------------------------
     def attach(self, controller):
@@ -197,20 +232,24 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         several = replicas > 1 or not last or self._exchange.cycle_open
         measure = self._measuring() and several
         if measure and not controller.splits_steps():
-            # Every rank counts the same cycles since the last sync, so all
-            # agree on which cycle carries the norms with its last bucket.
-            measure = self._exchange.cycles_since_sync % MEASURE_EVERY == 0
-        return Cycle(last, measure, replicas)
+            # Optimizer steps since the last batch-size decision: every rank
+            # counts the same (decisions are collective, and follow every
+            # reset), so all agree on which cycles carry norms.
+            measure = controller.measure_due()
+        position = controller.cycle_position() if controller is not None else 0
+        return Cycle(last, measure, replicas, position)
 
-    def _denominators(self, params):
+    def _denominators(self, params, group_indices):
+        # Groups looked up now: load_state_dict replaces the group dicts.
+        groups = self.param_groups
+        out = [None] * len(params)
         by_group = {}
-        for p in params:
-            group = self._group_of[p]
-            by_group.setdefault(id(group), (group, []))[1].append(p)
-        out = {}
-        for group, members in by_group.values():
-            states = [self.optimizer.state.get(p, {}) for p in members]
-            out.update(zip(members, adam_denominators(states, group)))
+        for i, index in enumerate(group_indices):
+            by_group.setdefault(index, []).append(i)
+        for index, members in by_group.items():
+            states = [self.optimizer.state.get(params[i], {}) for i in members]
+            for i, denominator in zip(members, adam_denominators(states, groups[index])):
+                out[i] = denominator
         return out
 
     # -- Horovod's names -----------------------------------------------------------------
@@ -233,8 +272,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     # -- stepping ----------------------------------------------------------------------
     def step(self, closure=None):
         """On the last micro-step of a cycle: take the noise measurement, step the wrapped
-        optimizer with the scaled lr and count the progress. Elsewhere nothing."""
-        if self._exchange.cycle_open:
+        optimizer with the scaled lr and count the progress. Elsewhere nothing; a cycle in
+        which a backward raised on every rank is not stepped either."""
+        self._exchange.settle("step")
+        mid_cycle = self._controller is not None and not self._controller.is_optim_step()
+        if self._exchange.cycle_open or mid_cycle:
+            if self.grad_scaler is not None:
+                raise RuntimeError(
+                    "scaler.step() (or step()) on a batch that does not end the accumulation "
+                    "cycle: the GradScaler would unscale part of the cycle's gradient twice. "
+                    "Unscale, clip and step only where loader.is_optim_step() is True (the "
+                    "loader splits a step in four into two batches while one replica measures "
+                    "the noise, and autoscaling may choose accumulation)")
             return None
         if not self._skip_sync:
             self._exchange.synchronize()
@@ -242,11 +291,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             self._sync_forgotten()
         finished = self._exchange.take_finished()
         if finished is not None:
-            cycle, stats, sync_seconds = finished
+            if finished.skip:
+                return None
             if self._controller is not None:
-                if cycle.replicas > 1:
-                    self._controller.record_sync(sync_seconds)
-                self._take_measurement(cycle, stats)
+                if finished.cycle.replicas > 1:
+                    self._controller.record_sync(finished.sync_seconds)
+                self._take_measurement(finished.cycle, finished.stats)
         return self._scaled_step(closure)
 
     def _take_measurement(self, cycle, stats):
@@ -271,6 +321,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         controller = self._controller
         if controller is None:
             self.gns.progress += 1.0
+            self.gns.steps += 1
             return self.optimizer.step(closure)
         batch_size, init_batch_size = controller.batch_size, controller.init_batch_size
         groups = self.param_groups
@@ -292,6 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             self.gns.progress += float(self.gns.gain(batch_size, init_batch_size))
         else:
             self.gns.progress += 1.0
+        self.gns.steps += 1
         return result
 
     def _sync_forgotten(self):
@@ -304,14 +356,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                         "training function in @hvd_adapt.run (or call state.sync()) so that the "
                         "model's buffers and every other value are synced too", env.size())
         params = [p.data for group in self.param_groups for p in group["params"]]
-        broadcast_parameters([(f"hvd_adapt.unsynced.{i}", p) for i, p in enumerate(params)],
-                             root_rank=0)
+        collective.broadcast_tensors([(f"hvd_adapt.unsynced.{i}", p)
+                                      for i, p in enumerate(params)], root_rank=0)
         self.sync_from_root()
 
     # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
-        """Collective: adopt rank 0's optimizer state, noise scale and GradScaler state; drop
-        accumulated gradients."""
+        """Collective: adopt rank 0's optimizer state, noise scale, GradScaler state and
+        bucket layout; drop accumulated gradients."""
         collective.broadcast_optimizer_state(self.optimizer)
         self._load_extra_state(collective.broadcast_object(self._extra_state(),
                                                            name="hvd_adapt.sync.optimizer"))
@@ -319,7 +371,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self._synced = True
 
     def _extra_state(self):
-        extra = {"gns": self.gns.state_dict()}
+        extra = {"gns": self.gns.state_dict(), "layout": self._exchange.layout_state()}
         if self.grad_scaler is not None:
             # Scale and growth tracker: replicas that unscaled by different
             # factors would apply different updates from one averaged gradient.
@@ -330,11 +382,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         self.gns.load_state_dict(extra["gns"])
         if self.grad_scaler is not None and extra.get("grad_scaler"):
             self.grad_scaler.load_state_dict(extra["grad_scaler"])
+        self._exchange.adopt_layout(extra.get("layout"))
 
     def state_dict(self):
-        """The wrapped optimizer's ``state_dict()`` (torch's format) with hvd_adapt's own state
-        (noise scale, GradScaler) under the key ``"hvd_adapt"``."""
-        return dict(self.optimizer.state_dict(), hvd_adapt=self._extra_state())
+        """torch's ``state_dict()`` of the wrapped groups and state (with this optimizer's
+        state_dict hooks), plus hvd_adapt's own state (noise scale, GradScaler, bucket
+        layout) under the key ``"hvd_adapt"``."""
+        return dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
 
     def load_state_dict(self, state_dict):
         """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept)."""
@@ -348,3 +402,37 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()
+
+
+def _exchange_name(params):
+    """``hvd_adapt.grad.<digest of the parameters' shapes and dtypes>.<n>``: n counts live
+    optimizers of the same structure (identical on every rank for the same script)."""
+    structure = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+    base = "hvd_adapt.grad." + hashlib.sha1(structure).hexdigest()[:10]
+
+    def taken():
+        return {opt.exchange_name for opt in CONTEXT.collective_objects
+                if isinstance(opt, DistributedOptimizer)
+                and opt.exchange_name.startswith(base + ".")}
+
+    names = taken()
+    if names:
+        gc.collect()    # optimizers a script dropped may only await collection
+        names = taken()
+    index = 0
+    while f"{base}.{index}" in names:
+        index += 1
+    return f"{base}.{index}"
+
+
+def _check_not_hooked(params, names):
+    owners = [(p, CONTEXT.hooked_params[p]()) for p in params if p in CONTEXT.hooked_params]
+    if any(owner is not None for _, owner in owners):
+        gc.collect()
+        owners = [(p, CONTEXT.hooked_params[p]()) for p in params if p in CONTEXT.hooked_params]
+    for p, owner in owners:
+        if owner is not None:
+            raise ValueError(
+                f"parameter {names.get(p, tuple(p.shape))} is averaged by another live "
+                f"{owner!r} already: its gradients would be averaged twice. Delete that "
+                "optimizer first (del opt), or give each optimizer its own parameters")

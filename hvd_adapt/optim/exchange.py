@@ -1,54 +1,71 @@
-"""Gradient averaging from per-parameter hooks, overlapped with the backward pass.
+"""Gradient averaging from post-accumulate hooks, overlapped with the backward pass.
 
-Parameters are grouped into buckets, as DDP groups them: in reverse order of
-registration (roughly the order backward produces their gradients), up to
-``bucket_cap_mb`` each, one dtype and device per bucket. A bucket's grouped
-Horovod allreduce starts as soon as all its gradients are accumulated, so
-communication overlaps the rest of backward, but only on the last micro-step
-of an accumulation cycle. By default buckets are 25 MB for GPU parameters
-(DDP's default; NCCL runs beside the compute) and 4 MB for CPU ones: on the
-CPU, where Gloo's reductions share the cores with backward, a bucket about
-a layer's size reduced while the next layer's gradient is computed
-pipelines best: one bucket after backward, or 25 MB ones, cost more a step
-at two processes (``benchmarks/RESULTS.md``).
-Earlier micro-steps accumulate into ``.grad`` with no communication and no
-extra copy. Unlike Horovod's, the averaged gradients are waited for at the
-end of that backward pass (as DDP does), so when ``loss.backward()`` returns
-every rank holds the same gradients: clipping, ``GradScaler.unscale_`` and its skip
-decision see averaged values, and a rank that then skips ``step()`` leaves
-no collective behind.
+The layout (``buckets.py``) groups parameters into buckets of up to
+``bucket_cap_mb``. By default buckets are 25 MB for GPU parameters (DDP's
+default; NCCL runs beside the compute) and 4 MB for CPU ones: on the CPU,
+where Gloo's reductions share the cores with backward, a bucket about a
+layer's size reduced while the next layer's gradient is computed pipelines
+best (``benchmarks/RESULTS.md``). A bucket's grouped Horovod allreduce starts
+as soon as all its gradients are accumulated, but only on the last
+micro-step of an accumulation cycle; the bucket holding the parameters
+expected last goes at the end of the pass with the layout's extra slot
+(norms, flags, used-flags). Earlier micro-steps accumulate into ``.grad``
+with no communication and no extra copy. Unlike Horovod's, the averaged
+gradients are waited for at the end of the pass (as DDP does), so when
+``loss.backward()`` returns every rank holds the same gradients: clipping,
+``GradScaler.unscale_`` and its skip decision see averaged values, and a
+rank that then skips ``step()`` leaves no collective behind. A parameter
+that no rank used in a cycle keeps ``grad=None`` (a weight-decayed optimizer
+leaves it alone); one that some ranks used averages with zeros elsewhere.
+
+A pass is one ``.backward()`` (``backward_pass.py``): nested reentrant
+backwards and ``torch.autograd.grad`` open nothing. A pass that raised is
+found at the next pass, ``zero_grad()`` or ``step()``: its cycle is tainted,
+its gradients dropped. At the cycle's end every rank learns from the flags
+whether another rank abandoned a backward of it: if all did, every rank
+skips that optimizer step; if only some did, every rank raises, since the
+others' gradients cannot be averaged with nothing.
 
 The squared norms the noise scale needs are taken on the device before
-anything is averaged: a bucket's together, just before its allreduce starts,
-where ``.grad`` holds one micro-batch's gradient (the first micro-step of a
-cycle), else each gradient in its hook before it is accumulated.
+anything is averaged: a bucket's together, from ``.grad`` just before its
+allreduce starts, on the first micro-step of a cycle (``.grad`` then holds
+that micro-batch's gradient alone, whether it was None or zeroed); in later
+micro-steps of a measured cycle each gradient's in a tensor hook before it is
+accumulated (hooks that exist only while such a cycle runs). Adam's
+denominators are computed where each norm is taken, a bucket or a tensor at
+a time, never kept across micro-steps.
 """
 import contextlib
-import functools
+import logging
 import time
+import weakref
+import zlib
 
 import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
-from torch.autograd import Variable
 
-from .noise import group_sqnorms, sqnorm, stats_dtype, total_sqnorm
+from .backward_pass import PassTracker, current_task
+from .._runtime.collective import in_place_view
+from .buckets import Layout, cap_bytes_for, signature
+from .noise import sqnorm, total_sqnorm
 
-# Default bucket caps when bucket_cap_mb is None (see the module's docstring).
-GPU_BUCKET_MB = 25
-CPU_BUCKET_MB = 4
+log = logging.getLogger(__name__)
 
 
 class Cycle:
-    """What one backward pass must do; the optimizer answers it before each backward.
+    """What one backward pass must do; the optimizer answers it before each pass.
 
     ``last``: it ends an accumulation cycle, so the gradients are averaged.
     ``measure``: take the squared norms the noise scale needs (of every
-    micro-batch's gradient, and of the cycle's mean).
+    micro-batch's gradient, and of the cycle's mean). ``position``: how many
+    batches of the cycle came before this one (the loader's count: a pass with
+    fewer finished before it had one raise before any gradient came).
     """
 
-    def __init__(self, last, measure, replicas):
+    def __init__(self, last, measure, replicas, position=0):
         self.last, self.measure, self.replicas = last, measure, replicas
+        self.position = position
 
 
 class Measurement:
@@ -60,274 +77,449 @@ class Measurement:
         self.local, self.total, self.num_micro = local, total, num_micro
 
 
-class GradientExchange:
-    """Hooks on every trainable parameter of ``param_groups`` that average gradients.
+class Finished:
+    """A cycle that ended: its :class:`Cycle`, :class:`Measurement` (or None), the seconds
+    spent waiting for its allreduces, and whether its step must be skipped (a backward of
+    it raised on every rank)."""
 
-    ``plan()`` returns the :class:`Cycle` for the backward pass starting;
-    ``denominators(params)`` a dict from each of ``params`` to the tensor its
-    gradient is divided by before its norm is taken, or None. After the last
-    micro-step's backward, :attr:`stats` holds its :class:`Measurement` when
-    one was taken (else None), :attr:`finished` its :class:`Cycle`, and
-    :attr:`sync_seconds` the time spent waiting for the allreduces; the
-    optimizer takes them with :meth:`take_finished`.
+    def __init__(self, cycle, stats, sync_seconds, skip):
+        self.cycle, self.stats, self.sync_seconds, self.skip = cycle, stats, sync_seconds, skip
+
+
+class AbandonedBackwardError(RuntimeError):
+    """A backward pass raised on some ranks and completed on others: their gradients cannot
+    be averaged."""
+
+
+class GradientExchange:
+    """Post-accumulate hooks on every parameter of ``groups()`` (the optimizer's live
+    parameter lists) that average gradients over replicas.
+
+    ``plan()`` returns the :class:`Cycle` of the pass starting;
+    ``denominators(params, group_indices)`` each parameter's divisor for its norm (or
+    None). ``name`` prefixes the allreduces' names (each optimizer its own), ``names``
+    maps parameters to the names errors use. After a cycle's last pass,
+    :meth:`take_finished` returns its :class:`Finished`.
     """
 
-    def __init__(self, param_groups, plan, denominators, compression, op,
-                 gradient_predivide_factor, bucket_cap_mb=None):
-        self._groups = [[p for p in group["params"] if p.requires_grad] for group in param_groups]
-        self._group_index = {p: index for index, group in enumerate(self._groups) for p in group}
-        # One grouped allreduce per bucket: on small models per-tensor
-        # operations cost more than they overlap (benchmarks/RESULTS.md).
-        # Made at the first backward, when the parameters are on their device.
-        self._bucket_cap_mb = bucket_cap_mb
-        self._buckets = self._bucket_of = self._ready = None
+    def __init__(self, groups, plan, denominators, compression, op, gradient_predivide_factor,
+                 bucket_cap_mb, name, sparse_as_dense=False, names=None):
+        self._groups = groups
         self._plan = plan
         self._compute_denominators = denominators
         self._compression = compression
         self._op = op
         self._predivide = gradient_predivide_factor
-        self._cycle = None        # the plan of the backward pass under way
-        self._micro_steps = 0     # backward passes so far in this accumulation cycle
-        self._cycles = 0          # cycles finished since the replicas were last synced
-        self._micro_sqr = None    # per group, summed over this cycle's micro-batches
-        self._handles = {}
-        # Parameters whose .grad will hold this micro-batch's gradient alone
-        # once accumulated: their norms are taken a bucket at a time. A dict
-        # keeps backward's order, so the sums are the same from run to run.
-        self._pending = {}
-        # Each parameter's denominator while a measured cycle is under way:
-        # optimizer state changes only at step(), so the one taken for a
-        # micro-batch's norm serves the cycle's other micro-batches and the
-        # mean gradient's norm (Adam's costs several passes over the tensor).
-        self._denominators = {}
-        self.stats = None
+        self._bucket_cap_mb = bucket_cap_mb
+        self.name = name
+        self._sparse_as_dense = sparse_as_dense
+        self._names = names or {}
+        self._tracker = PassTracker(self._end_pass)
+        self._layout = None
+        self._version = 0           # the layout's checksum: part of the allreduces' names
+        self._rebuilt = False       # the layout follows an observed gradient order
+        self._hooked = {}           # id(param) -> hook handle
+        self._late = []             # positions hooked during the pass under way
+        self._micro_hooks = []
+        self._finalizer = weakref.finalize(self, _remove_all, self._hooked, self._micro_hooks)
+        self._reset_cycle()
         self.finished = None
-        self.sync_seconds = 0.0
-        self._hooks = []
-        for group_index, group in enumerate(self._groups):
-            for p in group:
-                self._hooks.append(p.register_hook(
-                    functools.partial(self._on_grad, group_index, p)))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_accumulated))
+        self.hook(p for group in groups() for p in group)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def hook(self, params):
+        """Put the post-accumulate hook on each trainable one of ``params`` not hooked yet;
+        returns those newly hooked (frozen ones get theirs once they are trainable)."""
+        ref = weakref.ref(self)
+        hooked = []
+        for p in params:
+            if p.requires_grad and id(p) not in self._hooked:
+                self._hooked[id(p)] = p.register_post_accumulate_grad_hook(
+                    lambda param, ref=ref: _call(ref, "_on_accumulated", param))
+                hooked.append(p)
+        return hooked
 
     def remove(self):
-        """Take the hooks off the parameters."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Take every hook off the parameters (the optimizer is done with them)."""
+        self._finalizer()
+
+    def _reset_cycle(self):
+        self._micro = 0             # passes finished in the open accumulation cycle
+        self._tainted = False       # a pass of this cycle raised
+        self._used = None           # bytearray per position: got a gradient this cycle
+        self._micro_sqr = None      # per group, summed over the cycle's micro-batches
+        self._stash = {}            # position -> (task, norm) from the tensor hooks
+        self._pending = []          # positions whose first-micro-step norm is still to take
+        self._handles = {}
+        self._ready = None
+        self._observed = None       # positions in the order their gradients came, if watched
+        self._remove_micro_hooks()
 
     @property
     def cycle_open(self):
         """True between the micro-steps of an accumulation cycle (gradients must be kept)."""
-        return self._micro_steps > 0
-
-    @property
-    def cycles_since_sync(self):
-        """Accumulation cycles finished since the last :meth:`discard` (every sync and reset
-        discards): the same count on every replica."""
-        return self._cycles
+        return self._micro > 0 or self._tainted
 
     def discard(self):
         """Forget the cycle (after a reset: handles of the old world are dead)."""
-        self._cycle, self._micro_steps, self._micro_sqr = None, 0, None
-        self._cycles = 0
-        self._handles = {}
-        self._pending = {}
-        self._denominators = {}
-        if self._buckets is not None:
-            self._ready = [0] * len(self._buckets)
-        self.take_finished()
+        self._tracker.take_stale()
+        self._reset_cycle()
+        self.finished = None
 
     def take_finished(self):
-        """``(cycle, measurement, sync_seconds)`` of the last finished cycle, or
-        None; cleared by the call (a skipped step's are dropped by the next ``zero_grad``)."""
-        if self.finished is None:
-            return None
-        taken = (self.finished, self.stats, self.sync_seconds)
-        self.finished, self.stats, self.sync_seconds = None, None, 0.0
-        return taken
+        """The :class:`Finished` of the last cycle, or None; cleared by the call."""
+        finished, self.finished = self.finished, None
+        return finished
 
-    # -- hooks -------------------------------------------------------------------------
-    def _make_buckets(self):
-        params = [p for group in self._groups for p in group]
-        cap = self._bucket_cap_mb
-        if cap is None:
-            cap = GPU_BUCKET_MB if any(p.is_cuda for p in params) else CPU_BUCKET_MB
-        self._buckets = _buckets(params, cap * 2 ** 20)
-        self._bucket_of = {p: index for index, bucket in enumerate(self._buckets) for p in bucket}
-        self._ready = [0] * len(self._buckets)
+    # -- the layout ------------------------------------------------------------------------
+    def layout_state(self):
+        """What a replica joining the job must adopt so that its buckets match: the order
+        the layout follows, and whether it was observed."""
+        layout = self._current_layout()
+        return {"order": list(layout.order), "rebuilt": self._rebuilt}
 
-    def _start_backward(self):
-        if self._buckets is None:
-            self._make_buckets()
-        self._cycle = self._plan()
-        # Runs once the whole backward pass is done, on the thread that ran it.
-        Variable._execution_engine.queue_callback(self._end_backward)
+    def adopt_layout(self, state):
+        """Take rank 0's :meth:`layout_state` (or a checkpoint's, where its parameters match)."""
+        layout = self._current_layout()
+        if state is None or len(state["order"]) != len(layout.params):
+            return
+        if list(state["order"]) != layout.order:
+            self._build(state["order"])
+        self._rebuilt = bool(state["rebuilt"])
 
-    def _on_grad(self, group_index, p, grad):
-        # The gradient of this micro-batch alone, before it is added to .grad.
-        if self._cycle is None:
-            self._start_backward()
-        if self._cycle.measure:
-            if self._micro_steps == 0 and p.grad is None:
-                self._pending[p] = None
+    def refresh(self):
+        """Rebuild the layout if the set of trainable parameters changed (called between
+        optimizer steps, by ``zero_grad()``, and at each cycle's first pass)."""
+        self._current_layout()
+
+    def _current_layout(self):
+        if self._layout is None or self._layout.signature != signature(self._groups()):
+            self._build(None)
+        return self._layout
+
+    def _build(self, order):
+        groups = self._groups()
+        params = [p for group in groups for p in group if p.requires_grad]
+        self._layout = Layout(groups, cap_bytes_for(params, self._bucket_cap_mb), order)
+        # Named after its buckets, not after how many were built before: two
+        # ranks with the same buckets send the same names, whatever their history.
+        self._version = zlib.crc32(repr(self._layout.buckets).encode())
+        self._rebuilt = False
+        newly = self.hook(p for group in groups for p in group)
+        # Parameters made trainable inside the pass under way: their gradients may
+        # have come before their hooks, so their use is read from .grad at its end.
+        self._late = [self._layout.position[id(p)] for p in newly]
+
+    # -- a pass ------------------------------------------------------------------------------
+    def _on_accumulated(self, param):
+        current, stale = self._tracker.enter()
+        if stale is not None:
+            self._abandon(stale)
+        if current.plan is None:
+            self._open(current)
+        layout = self._layout
+        pos = layout.position.get(id(param))
+        if pos is None:
+            return
+        self._used[pos] = 1
+        plan = current.plan
+        if plan.measure:
+            if self._micro == 0:
+                self._pending.append(pos)
             else:
-                denominator = self._denominators_of([p])[0]
-                self._add_micro_sqr(group_index,
-                                    sqnorm(grad if denominator is None else grad / denominator))
-        return None
-
-    def _add_micro_sqr(self, group_index, value):
-        if self._micro_sqr is None:
-            self._micro_sqr = torch.zeros(len(self._groups), dtype=torch.float64,
-                                          device=value.device)
-        self._micro_sqr[group_index] += value
-
-    def _measure_pending(self, params):
-        """Add the micro-batch norms of those of ``params`` whose ``.grad`` is this
-        micro-batch's gradient alone, with a few multi-tensor operations per group."""
-        by_group = {}
-        for p in params:
-            if p in self._pending:
-                del self._pending[p]
-                by_group.setdefault(self._group_index[p], []).append(p)
-        for group_index, members in by_group.items():
-            self._add_micro_sqr(group_index, total_sqnorm(
-                [p.grad for p in members], self._denominators_of(members)))
-
-    def _on_accumulated(self, p):
-        if self._cycle is None:
-            self._start_backward()
-        if self._cycle.last and self._cycle.replicas > 1:
-            index = self._bucket_of[p]
+                self._add_stashed(pos)
+        if self._observed is not None:
+            self._observed.append(pos)
+        if plan.last and plan.replicas > 1:
+            index = layout.bucket_of[pos]
             self._ready[index] += 1
-            # When measuring, the last bucket waits for the end of backward and
-            # carries the local norms: one Horovod operation fewer a step.
-            deferred = self._cycle.measure and index == len(self._buckets) - 1
-            if self._ready[index] == len(self._buckets[index]) and not deferred:
-                self._measure_pending(self._buckets[index])
-                self._start_allreduce(index, self._micro_steps + 1)
+            if self._ready[index] == layout.bucket_size[index] \
+                    and index != len(layout.buckets) - 1:
+                self._submit(index, plan.position + 1)
 
-    def _start_allreduce(self, index, micro, extra=None):
+    def _open(self, current):
+        if self._micro == 0 and not self._tainted:
+            layout = self._current_layout()
+            self._used = bytearray(len(layout.params))
+        elif self._layout.signature != signature(self._groups()):
+            raise RuntimeError(
+                "the set of trainable parameters (requires_grad) changed inside an "
+                "accumulation cycle: change it between optimizer steps, on every rank alike")
+        current.plan = self._plan()
+        if current.plan.last and current.plan.replicas > 1:
+            self._ready = [0] * len(self._layout.buckets)
+            if not self._rebuilt:
+                self._observed = []
+
+    def _end_pass(self, ended):
+        if ended.plan is None:
+            return
+        plan = ended.plan
+        for pos in self._late:
+            if self._layout.params[pos].grad is not None:
+                self._used[pos] = 1
+        self._late = []
+        if plan.measure and self._micro == 0:
+            self._measure_pending()
+        if plan.position != self._micro:
+            # A backward of this cycle raised before any gradient came (or was
+            # never run): this rank's average would be over other micro-steps.
+            self._tainted = True
+        if not plan.last:
+            self._micro += 1
+            if plan.measure and self._micro == 1 and not self._tainted:
+                self._install_micro_hooks()
+            return
+        self._finish_cycle(plan, completed=not self._tainted)
+
+    def _finish_cycle(self, plan, completed):
+        layout = self._layout
+        # The loader's count, the same on every rank (allreduces with other
+        # scale factors would not match), also where a pass of this rank raised.
+        micro = plan.position + 1
+        norms, self._micro_sqr = self._micro_sqr, None
+        if norms is None and plan.measure and completed:
+            norms = torch.zeros(layout.num_groups, dtype=torch.float64,
+                                device=layout.extra_device)
+        started = time.perf_counter()
+        skip, local = not completed, None
+        if plan.replicas > 1:
+            proposal = self._observed if self._observed is not None and \
+                len(self._observed) == len(layout.params) and self._is_rank0() else None
+            extra = layout.extra(norms if completed else None, completed, not completed,
+                                 self._used, proposal)
+            for index in range(len(layout.buckets)):
+                if index not in self._handles:
+                    self._submit(index, micro, extra if index == len(layout.buckets) - 1
+                                 else None)
+            carried = self._synchronize()
+            scale = micro * (hvd.size() if self._op == hvd.Average else 1)
+            reduced_norms, anyone_completed, anyone_abandoned, used, order = \
+                layout.read_extra(carried, scale)
+            if anyone_abandoned and anyone_completed:
+                self._reset_cycle()
+                raise AbandonedBackwardError(
+                    "a backward pass raised on some ranks (an exception inside backward, "
+                    "caught) and completed on others: their gradients cannot be averaged. "
+                    "Every rank must run (or skip) the same batches; with several replicas, "
+                    "skip a failing batch on every rank alike")
+            skip = anyone_abandoned
+            for pos, anyone_used in enumerate(used):
+                if not anyone_used:
+                    # No rank used it: leave it as a single process would.
+                    layout.params[pos].grad = None
+            if norms is not None:
+                local = reduced_norms / plan.replicas if self._op == hvd.Sum else reduced_norms
+            if order is not None:
+                self._rebuild_after(order)
+            self._observed = None
+        elif micro > 1 and completed:
+            grads = [p.grad for p in layout.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, micro)
+        if plan.replicas == 1 and norms is not None:
+            local = norms / micro
+        sync_seconds = time.perf_counter() - started
+        stats = None
+        if local is not None and not skip:
+            stats = Measurement(local, self._mean_sqnorms(), micro * plan.replicas)
+        if skip:
+            log.warning("a backward pass of this accumulation cycle raised on every rank: "
+                        "the cycle's gradients are dropped and its optimizer step skipped")
+            for p in layout.params:
+                p.grad = None
+        self._reset_cycle()
+        self.finished = Finished(plan, stats, sync_seconds, skip)
+
+    def _rebuild_after(self, order):
+        # Every rank got rank 0's observed order through the same allreduce:
+        # all rebuild alike, once, before the next cycle.
+        if order != self._layout.order:
+            self._build(order)
+        self._rebuilt = True
+
+    def _is_rank0(self):
+        return hvd.rank() == 0
+
+    # -- a pass that raised ------------------------------------------------------------------
+    def settle(self, caller):
+        """Called by ``zero_grad()`` and ``step()`` (``caller``): a pass still open here
+        raised; its cycle is tainted (see the module's docstring)."""
+        if self._tracker.current is None:
+            return
+        if current_task() != -1:
+            raise RuntimeError(f"{caller}() was called inside a backward pass (from a hook): "
+                               "hvd_adapt averages gradients only once backward is done")
+        self._abandon(self._tracker.take_stale())
+
+    def _abandon(self, stale):
+        plan = stale.plan
+        if plan is None:
+            return
+        log.warning("a backward pass raised (an exception inside backward, caught): its "
+                    "accumulation cycle is dropped on this rank")
+        self._tainted = True
+        self._remove_micro_hooks()
+        self._stash, self._pending, self._micro_sqr = {}, [], None
+        if plan.last:
+            # The cycle ends with this pass: the other ranks wait in its allreduces.
+            self._finish_cycle(plan, completed=False)
+
+    # -- allreduces ----------------------------------------------------------------------------
+    def _submit(self, index, micro, extra=None):
         """Average bucket ``index`` over ``micro`` micro-steps and the replicas."""
+        layout = self._layout
+        positions = layout.buckets[index]
+        if self._pending:
+            self._measure_pending(positions)
+        grads = []
+        for pos in positions:
+            p = layout.params[pos]
+            if p.grad is None:
+                # Every replica must pass the same tensors: one that got no gradient
+                # this cycle sends zeros (and its used-flag says so).
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                self._densify(p)
+            grads.append(p.grad)
         prescale = 1.0 / micro
         postscale = 1.0
         if self._op == hvd.Average:
             # As Horovod splits the average: the backend divides by size() after this.
             prescale /= self._predivide
             postscale = self._predivide
-        bucket = self._buckets[index]
-        compressed = [self._compression.compress(p.grad) for p in bucket]
-        tensors = [tensor for tensor, _ in compressed] + ([] if extra is None else [extra])
-        with _naming_the_cause(index):
+        sent = []
+        for grad in grads:
+            tensor, copied = in_place_view(grad)
+            compressed, ctx = self._compression.compress(tensor)
+            sent.append((grad, tensor, copied, compressed, ctx))
+        tensors = [entry[3] for entry in sent] + ([] if extra is None else [extra])
+        with self._naming_the_cause(index):
             handle = hvd.grouped_allreduce_async_(
-                tensors, name=f"hvd_adapt.grad.{index}", op=self._op,
+                tensors, name=f"{self.name}.{self._version}.{index}", op=self._op,
                 prescale_factor=prescale, postscale_factor=postscale)
-        self._handles[index] = (handle, compressed, extra is not None)
+        self._handles[index] = (handle, sent, extra is not None)
 
-    def _end_backward(self):
-        cycle, self._cycle = self._cycle, None
-        self._measure_pending(list(self._pending))
-        if not cycle.last:
-            self._micro_steps += 1
-            return
-        micro = self._micro_steps + 1
-        self._micro_steps = 0
-        self._cycles += 1
-        params = [p for group in self._groups for p in group]
-        local, micro_sqr, self._micro_sqr = None, self._micro_sqr, None
-        extra = stats_handle = None
-        if cycle.replicas > 1:
-            last = len(self._buckets) - 1
-            # Summed norms ride with the last bucket (its prescale averages them
-            # over micro-steps, its op over replicas) where the dtypes match.
-            if micro_sqr is not None and stats_dtype(params) == self._buckets[last][0].dtype:
-                extra = micro_sqr.to(self._buckets[last][0].dtype)
-            for index, bucket in enumerate(self._buckets):
-                if index not in self._handles:
-                    # Every replica must pass the same tensors: one that got no
-                    # gradient this cycle sends zeros.
-                    for p in bucket:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                    self._start_allreduce(index, micro, extra if index == last else None)
-            self._ready = [0] * len(self._buckets)
-            if micro_sqr is not None and extra is None:
-                stats_handle = hvd.allreduce_async_(micro_sqr / micro, name="hvd_adapt.grad_stats",
-                                                    op=hvd.Average)
-        elif micro > 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(micro)
-        if micro_sqr is not None and cycle.replicas == 1:
-            local = micro_sqr / micro
-        started = time.perf_counter()
-        carried = self.synchronize()
-        if stats_handle is not None:
-            local = hvd.synchronize(stats_handle).double()
-        self.sync_seconds = time.perf_counter() - started
-        if carried is not None:
-            local = carried / cycle.replicas if self._op == hvd.Sum else carried
-        self.finished = cycle
-        self.stats = None
-        if local is not None:
-            self.stats = Measurement(local, self._mean_sqnorms(), micro * cycle.replicas)
-        self._denominators = {}
+    def _densify(self, p):
+        if not self._sparse_as_dense:
+            raise RuntimeError(
+                f"parameter {self._names.get(p, tuple(p.shape))} has a sparse gradient "
+                "(nn.Embedding(sparse=True)?), which hvd_adapt cannot average in place: "
+                "pass sparse_as_dense=True to hvd_adapt.DistributedOptimizer (as to "
+                "Horovod's), or use a dense embedding")
+        p.grad = p.grad.to_dense()
 
     def synchronize(self):
-        """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages.
-        Returns the local norms a bucket carried (float64), or None."""
+        """Wait for every gradient allreduce under way; afterwards ``.grad`` holds averages."""
+        self._synchronize()
+
+    def _synchronize(self):
         carried = None
         handles, self._handles = self._handles, {}
-        for index, (handle, compressed, carries_norms) in handles.items():
-            with _naming_the_cause(index):
+        for index, (handle, sent, carries_extra) in handles.items():
+            with self._naming_the_cause(index):
                 outputs = hvd.synchronize(handle)
-            if carries_norms:
-                carried = outputs[-1].double()
-            for p, output, (_, ctx) in zip(self._buckets[index], outputs, compressed):
-                if output is not p.grad:
-                    p.grad.copy_(self._compression.decompress(output, ctx))
+            if carries_extra:
+                carried = outputs[-1]
+            for (grad, tensor, copied, _, ctx), output in zip(sent, outputs):
+                if output is not tensor or ctx is not None:
+                    tensor.copy_(self._compression.decompress(output, ctx))
+                if copied:
+                    grad.copy_(tensor)
         return carried
 
-    def _denominators_of(self, params):
-        missing = [p for p in params if p not in self._denominators]
-        if missing:
-            self._denominators.update(self._compute_denominators(missing))
-        return [self._denominators[p] for p in params]
+    @contextlib.contextmanager
+    def _naming_the_cause(self, index):
+        """Add to Horovod's error what hvd_adapt was doing and its likely cause. A peer that is
+        gone shows when the operation is started or when it is waited for."""
+        try:
+            yield
+        except HorovodInternalError as e:
+            # The same type, so that hvd.elastic.run still recovers from a lost peer.
+            raise HorovodInternalError(
+                f"{e} [hvd_adapt: while averaging gradients {self.name}.{self._version}."
+                f"{index} in backward. If no replica failed, replicas ran different numbers "
+                "of backward passes: every replica must run backward for every batch]") from e
+
+    # -- measurements --------------------------------------------------------------------------
+    def _add_micro_sqr(self, group_index, value):
+        if self._micro_sqr is None:
+            self._micro_sqr = torch.zeros(self._layout.num_groups, dtype=torch.float64,
+                                          device=value.device)
+        self._micro_sqr[group_index] += value
+
+    def _denominators(self, positions):
+        layout = self._layout
+        return self._compute_denominators([layout.params[pos] for pos in positions],
+                                          [layout.group_of[pos] for pos in positions])
+
+    def _measure_pending(self, positions=None):
+        """Add the micro-batch norms of the pending positions (of bucket ``positions``, or of
+        every bucket in turn) from ``.grad``, a group at a time, with a few multi-tensor
+        operations."""
+        if positions is None:
+            for bucket in self._layout.buckets:
+                self._measure_pending(bucket)
+            return
+        wanted = set(positions)
+        chosen = [pos for pos in self._pending if pos in wanted]
+        self._pending = [pos for pos in self._pending if pos not in wanted]
+        layout = self._layout
+        by_group = {}
+        for pos in chosen:
+            by_group.setdefault(layout.group_of[pos], []).append(pos)
+        for group_index, members in by_group.items():
+            grads = [layout.params[pos].grad for pos in members]
+            self._add_micro_sqr(group_index, total_sqnorm(grads, self._denominators(members)))
+
+    def _install_micro_hooks(self):
+        # Later micro-steps of a measured cycle: each gradient's norm before it
+        # is accumulated, kept until its post-accumulate hook (autograd.grad
+        # fires the tensor hook alone, so its norms are never counted).
+        ref = weakref.ref(self)
+        for pos, p in enumerate(self._layout.params):
+            self._micro_hooks.append(p.register_hook(
+                lambda grad, pos=pos, ref=ref: _call(ref, "_on_micro_grad", pos, grad)))
+
+    def _remove_micro_hooks(self):
+        for handle in self._micro_hooks:
+            handle.remove()
+        self._micro_hooks.clear()
+
+    def _on_micro_grad(self, pos, grad):
+        denominator = self._denominators([pos])[0]
+        self._stash[pos] = (current_task(),
+                            sqnorm(grad if denominator is None else grad / denominator))
+
+    def _add_stashed(self, pos):
+        entry = self._stash.pop(pos, None)
+        if entry is not None and entry[0] == current_task():
+            self._add_micro_sqr(self._layout.group_of[pos], entry[1])
 
     def _mean_sqnorms(self):
-        # Only at a measured cycle's end: its denominators are cached until then.
-        groups = [[p for p in group if p.grad is not None] for group in self._groups]
-        return group_sqnorms([[p.grad for p in group] for group in groups],
-                             [self._denominators_of(group) for group in groups])
+        # A bucket at a time, so that at most one bucket's denominators exist at once.
+        layout = self._layout
+        out = torch.zeros(layout.num_groups, dtype=torch.float64, device=layout.extra_device)
+        for bucket in layout.buckets:
+            members = [pos for pos in bucket if layout.params[pos].grad is not None]
+            by_group = {}
+            for pos in members:
+                by_group.setdefault(layout.group_of[pos], []).append(pos)
+            for group_index, positions in by_group.items():
+                grads = [layout.params[pos].grad for pos in positions]
+                out[group_index] += total_sqnorm(grads, self._denominators(positions)).to(
+                    out.device)
+        return out
 
 
-@contextlib.contextmanager
-def _naming_the_cause(index):
-    """Add to Horovod's error what hvd_adapt was doing and its likely cause. A peer that is
-    gone shows when the operation is started or when it is waited for, whichever comes first."""
-    try:
-        yield
-    except HorovodInternalError as e:
-        # The same type, so that hvd.elastic.run still recovers from a lost peer.
-        raise HorovodInternalError(
-            f"{e} [hvd_adapt: while averaging gradients hvd_adapt.grad.{index} in backward. "
-            "If no replica failed, replicas ran different numbers of backward passes: every "
-            "replica must run backward for every batch]") from e
+def _call(ref, method, *args):
+    exchange = ref()
+    if exchange is not None:
+        getattr(exchange, method)(*args)
 
 
-def _buckets(params, cap_bytes):
-    """Parameters in reverse order, cut into runs of at most ``cap_bytes`` of one dtype and
-    device (a parameter larger than the cap is a bucket alone)."""
-    buckets, size = [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        last = buckets[-1] if buckets else None
-        if last is None or size + nbytes > cap_bytes or last[0].dtype != p.dtype \
-                or last[0].device != p.device:
-            buckets.append([p])
-            size = nbytes
-        else:
-            last.append(p)
-            size += nbytes
-    return buckets
+def _remove_all(hooked, micro_hooks):
+    for handle in list(hooked.values()) + list(micro_hooks):
+        handle.remove()
+    hooked.clear()
+    micro_hooks.clear()

@@ -47,7 +47,14 @@ class GradientNoiseScale:
         self._unbias = 0.0
         self._gains = {}
         self.progress = 0.0
+        #: Optimizer steps taken (progress counts each at its gain).
+        self.steps = 0
         self.num_updates = 0
+
+    def add_group(self):
+        """A parameter group was added: estimates for it start empty; progress is kept."""
+        self._biased = np.concatenate([self._biased, np.zeros((2, 1))], axis=1)
+        self._gains.clear()
 
     def update(self, local_sqr, total_sqr, micro_bsz, num_micro, init_batch_size, samples=None):
         """Add one measurement; returns False (and changes nothing) for unusable input.
@@ -119,7 +126,8 @@ class GradientNoiseScale:
     def state_dict(self):
         return {"biased": {"sqr": self._biased[0].copy(), "trace": self._biased[1].copy()},
                 "unbias": self._unbias,
-                "progress": self.progress, "num_updates": self.num_updates,
+                "progress": self.progress, "steps": self.steps,
+                "num_updates": self.num_updates,
                 "smoothing": self.smoothing}
 
     def load_state_dict(self, state):
@@ -127,6 +135,7 @@ class GradientNoiseScale:
         self._unbias = state["unbias"]
         self._gains.clear()
         self.progress = state["progress"]
+        self.steps = state.get("steps", 0)
         self.num_updates = state["num_updates"]
         self.smoothing = state["smoothing"]
 

@@ -77,11 +77,19 @@ class SqrtScale(ScalingRule):
 
 
 class LEGWScale(ScalingRule):
-    """Linear-epoch gradual warm-up (You et al., 2019): warm up over ``scale`` times as many
-    epochs as at B0, to lr x sqrt(scale).
+    """Linear-epoch gradual warm-up (You et al., "Large-Batch Training for LSTM and Beyond",
+    2019): the warm-up lasts ``base_warmup_epochs`` times the batch scale in epochs, which
+    is ``base_warmup_epochs * data_size / init_batch_size`` optimizer steps at any batch
+    size; the lr rises linearly to lr x sqrt(scale).
 
-    Progress is counted in B0-steps (the optimizer's ``gns.progress``), so the
-    warm-up length does not jump when the batch size changes.
+    The factor at an optimizer step ``t`` (the optimizer's ``gns.steps``) is
+    ``sqrt(B / B0) * min(1, t / warmup_steps)``: a larger batch warms up over as
+    many steps, so over more epochs, to a higher lr.
+
+    >>> from types import SimpleNamespace
+    >>> rule = LEGWScale(base_warmup_epochs=2, data_size=1000)
+    >>> float(rule.lr_factors(SimpleNamespace(steps=5), 400, 100, 1)[0])   # 2*1000/100 = 20
+    0.5
     """
 
     def __init__(self, base_warmup_epochs, data_size):
@@ -92,12 +100,15 @@ class LEGWScale(ScalingRule):
         self.base_warmup_epochs = base_warmup_epochs
         self.data_size = data_size
 
+    def warmup_steps(self, init_batch_size):
+        """Optimizer steps the warm-up lasts: the same at every batch size."""
+        return self.base_warmup_epochs * self.data_size / init_batch_size
+
     def lr_factors(self, gns, batch_size, init_batch_size, num_groups):
-        scale = batch_size / init_batch_size
-        warmup_steps = self.base_warmup_epochs * scale * self.data_size / init_batch_size
-        factor = math.sqrt(scale)
-        if warmup_steps > 0 and gns.progress < warmup_steps:
-            factor *= gns.progress / warmup_steps
+        factor = math.sqrt(batch_size / init_batch_size)
+        warmup_steps = self.warmup_steps(init_batch_size)
+        if warmup_steps > 0:
+            factor *= min(1.0, gns.steps / warmup_steps)
         return np.full(num_groups, factor)
 
 

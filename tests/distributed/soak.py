@@ -261,14 +261,19 @@ def _drain_soak(events, seed):
         if last:
             assert code == 0, output[-3000:]
             break
-        assert output.count("exit with status code 143") == 2, output[-3000:]
+        drained = []
+        for path in glob.glob(os.path.join(out_dir, "drained.*.jsonl")):
+            with open(path) as f:
+                drained += [json.loads(line) for line in f]
+        keys = ("step", "params", "optimizer", "scale", "generation")
+        # Both ranks stopped at one commit, with 143, before horovodrun's SIGKILL.
+        assert len(drained) == 2 and {d["code"] for d in drained} == {143}, output[-3000:]
+        assert len({json.dumps([d[k] for k in keys]) for d in drained}) == 1, drained
         assert ended - signalled < 5.0, (ended - signalled, output[-2000:])
+        assert drained[0]["generation"] == _generation(checkpoint)
         drains.append(round(ended - signalled, 2))
-        # What the next run must start from: the last commit, the drain's.
-        previous = max((c for c in commits if c["optim"]), key=lambda c: c["time"])
-        previous = {"step": previous["step"] + 1, "params": previous["params"],
-                    "optimizer": previous["optimizer"], "scale": previous["scale"],
-                    "generation": _generation(checkpoint)}
+        # What the next run must start from: the drain's commit.
+        previous = {k: drained[0][k] for k in keys}
     num_epochs = 1 + max(e["epoch"] for e in all_epochs)
     check_exactly_once(all_commits, all_epochs, num_epochs)
     check_identical_replicas(all_commits)

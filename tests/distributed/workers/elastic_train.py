@@ -320,7 +320,12 @@ def main():
                     args.kill_old_after_grow, args.kill_in_checkpoint):
                 break
 
-    train(state)
+    try:
+        train(state)
+    except SystemExit as stop:
+        # A drain: what every rank held when it stopped.
+        append_line(f"drained.{os.getpid()}.jsonl", dict(holding(), code=stop.code))
+        raise
 
 
 worlds_seen = []   # this process's world sizes, one per attempt of the training function

@@ -38,8 +38,9 @@ def train(state):
                 loss = torch.nn.functional.mse_loss(model(xb).float(), yb)
             if amp:
                 scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                if loader.is_optim_step():      # a half batch is half a step
+                    scaler.step(opt)
+                    scaler.update()
             else:
                 loss.backward()
                 opt.step()

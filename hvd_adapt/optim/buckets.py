@@ -1,0 +1,123 @@
+"""Which gradients travel together, and in what shape: the exchange's layout.
+
+Parameters are grouped into buckets, as DDP groups them: in the order
+backward is expected to produce their gradients (reverse registration order
+until an order was observed), up to ``cap_bytes`` each, one dtype and device
+per bucket. Everything that decides a collective's shape is fixed here, when
+the layout is built, and the same on every rank: the buckets, their names,
+and the ``extra`` slot the last bucket carries: the per-group squared norms
+of a measured cycle (zeros otherwise), two flags (this rank completed its
+cycle; this rank abandoned a backward in it), one used-flag per parameter
+(DDP's globally-unused map), and one slot per parameter for rank 0's
+observed gradient order. A layout is rebuilt only where every rank rebuilds
+it alike: when the set of trainable parameters changes, or in the order rank
+0 observed.
+"""
+import torch
+
+# Default bucket caps when bucket_cap_mb is None (see exchange.py's docstring).
+GPU_BUCKET_MB = 25
+CPU_BUCKET_MB = 4
+
+
+class Layout:
+    """The trainable parameters of ``groups`` (lists of parameters, in optimizer order) and
+    their buckets.
+
+    ``params[pos]`` is the parameter at position ``pos``; ``group_of[pos]`` its group's
+    index; ``buckets[b]`` the positions of bucket ``b``, ``buckets[-1]`` the one submitted
+    at the end of a pass, with the extra slot; ``order`` the positions in expected
+    gradient order. ``signature`` is what a change of the trainable set changes.
+    """
+
+    def __init__(self, groups, cap_bytes, order=None):
+        self.signature = signature(groups)
+        self.params = [p for group in groups for p in group if p.requires_grad]
+        self.position = {id(p): pos for pos, p in enumerate(self.params)}
+        self.group_of = [g for g, group in enumerate(groups) for p in group if p.requires_grad]
+        self.num_groups = len(groups)
+        count = len(self.params)
+        self.order = list(order) if order is not None else list(range(count - 1, -1, -1))
+        if sorted(self.order) != list(range(count)):
+            raise ValueError(f"a bucket order must name each of {count} parameters once")
+        self.buckets = _cut(self.params, self.order, cap_bytes)
+        self.bucket_of = [0] * count
+        for index, bucket in enumerate(self.buckets):
+            for pos in bucket:
+                self.bucket_of[pos] = index
+        self.bucket_size = [len(bucket) for bucket in self.buckets]
+        last = self.params[self.buckets[-1][0]] if count else None
+        self.extra_dtype = torch.promote_types(last.dtype, torch.float32) if last is not None \
+            else torch.float32
+        self.extra_device = last.device if last is not None else torch.device("cpu")
+
+    # The extra slot: [norms per group | completed | abandoned | used per param | order].
+    @property
+    def extra_length(self):
+        return self.num_groups + 2 + 2 * len(self.params)
+
+    def extra(self, norms, completed, abandoned, used, proposed_order):
+        """The extra slot's tensor, on the gradients' device: ``norms`` a float64 tensor per
+        group (on that device) or None, ``used`` a bytearray per position,
+        ``proposed_order`` positions in observed order or None. Built without waiting for
+        the device: scalars are filled in, host lists copied asynchronously."""
+        g, count = self.num_groups, len(self.params)
+        out = torch.zeros(self.extra_length, dtype=self.extra_dtype, device=self.extra_device)
+        out[g].fill_(float(completed))
+        out[g + 1].fill_(float(abandoned))
+        if count:
+            out[g + 2:g + 2 + count].copy_(self._to_device(list(used)), non_blocking=True)
+        if proposed_order is not None:
+            # 1-based, so that 0 says "no proposal".
+            out[g + 2 + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
+                                      non_blocking=True)
+        if norms is not None:
+            out[:g].copy_(norms)
+        return out
+
+    def _to_device(self, values):
+        host = torch.tensor(values, dtype=self.extra_dtype)
+        return host.pin_memory() if self.extra_device.type == "cuda" else host
+
+    def read_extra(self, reduced, scale):
+        """``(norms, completed, abandoned, used, order)`` of an allreduced extra slot;
+        ``scale`` undoes what the allreduce multiplied it by (averaging over micro-steps and,
+        for ``hvd.Average``, replicas) for the proposed order, rank 0's alone."""
+        g, count = self.num_groups, len(self.params)
+        values = reduced.double()
+        norms = values[:g]
+        flags = values[g:g + 2].tolist()
+        used = (values[g + 2:g + 2 + count] > 0).tolist()
+        proposal = (values[g + 2 + count:] * scale).round().long().tolist()
+        order = [position - 1 for position in proposal] if count and proposal[0] > 0 else None
+        return norms, flags[0] > 0, flags[1] > 0, used, order
+
+
+def signature(groups):
+    """Which parameters of ``groups`` are trainable, and their identities."""
+    return tuple((id(p), p.requires_grad) for group in groups for p in group)
+
+
+def cap_bytes_for(params, bucket_cap_mb):
+    cap = bucket_cap_mb
+    if cap is None:
+        cap = GPU_BUCKET_MB if any(p.is_cuda for p in params) else CPU_BUCKET_MB
+    return int(cap * 2 ** 20)
+
+
+def _cut(params, order, cap_bytes):
+    """Positions in ``order``, cut into runs of at most ``cap_bytes`` of one dtype and device
+    (a parameter larger than the cap is a bucket alone); never empty."""
+    buckets, size = [], 0
+    for pos in order:
+        p = params[pos]
+        nbytes = p.numel() * p.element_size()
+        first = params[buckets[-1][0]] if buckets else None
+        if first is None or size + nbytes > cap_bytes or first.dtype != p.dtype \
+                or first.device != p.device:
+            buckets.append([pos])
+            size = nbytes
+        else:
+            buckets[-1].append(pos)
+            size += nbytes
+    return buckets or [[]]
