@@ -133,14 +133,23 @@ def test_a_caught_exception_in_backward_skips_its_cycle(caplog):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_autograd_grad_and_nested_backwards_count_no_cycle():
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_autograd_grad_and_nested_backwards_count_no_cycle(device):
+    # On CUDA the backward runs on the device's autograd thread, and a reentrant
+    # checkpoint's nested backward on that thread too.
     from torch.utils.checkpoint import checkpoint
-    model, opt, loader = linear_classifier(lambda params: torch.optim.SGD(params, lr=0.1))
+    model, opt, loader = linear_classifier(lambda params: torch.optim.SGD(params, lr=0.1),
+                                           device=device)
     loader.autoscale_batch_size(8, local_bsz_bounds=(4, 4), gradient_accumulation=True,
                                 decide_every=10 ** 6)
     reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
     batches = []
     for i, (x, y) in enumerate(loader):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         # A gradient for a log line, then a checkpointed forward whose backward runs a
         # nested one: still one micro-step each.
