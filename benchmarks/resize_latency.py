@@ -37,6 +37,8 @@ def main(argv=None):
     parser.add_argument("--schedule", default="1 2 3 2 1")
     parser.add_argument("--epochs-per-size", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--json", default=None,
+                        help="also write the pauses here (relative: under benchmarks/results/)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hvd_adapt_resize_") as work:
         log = os.path.join(work, "steps.jsonl")
@@ -58,6 +60,10 @@ def main(argv=None):
         print(f"{before:>4} {after:>4} {seconds:>8.2f}")
     worst = max(seconds for _, _, seconds in rows)
     print(f"max_pause_s={worst:.2f} (goal <= 3)")
+    if args.json:
+        import record
+        record.write(args.json, {"schedule": args.schedule,
+                                 "pauses": [{"from": b, "to": a, "seconds": s} for b, a, s in rows]})
     return rows
 
 

@@ -111,6 +111,25 @@ def time_to(curve, workload, target):
     return next((row[0] for row in curve if workload.reached(row[2], target)), float("inf"))
 
 
+def rows(workload, runs):
+    """For each target: ``(target, {run: [seconds per seed]}, (adaptive / best fixed,
+    adaptive / median fixed))``, the ratios nan where no fixed run (or not the median one)
+    got there, or where the runs are not both kinds."""
+    names = list(runs)
+    out = []
+    for target in workload.targets:
+        times = {n: [time_to(c, workload, target) for c in runs[n]] for n in names}
+        medians = {n: float(np.median(times[n])) for n in names}
+        fixed = [medians[n] for n in names if n != "adaptive"]
+        ratios = (np.nan, np.nan)
+        if fixed and "adaptive" in medians:
+            # A ratio of 0 where nothing got there would read as a measurement.
+            ratios = tuple(medians["adaptive"] / base if np.isfinite(base) else np.nan
+                           for base in (min(fixed), float(np.median(fixed))))
+        out.append((target, times, ratios))
+    return out
+
+
 def report(workload, runs):
     """Print the table; return {target: (adaptive / best fixed, adaptive / median fixed)}."""
     names = list(runs)
@@ -120,18 +139,13 @@ def report(workload, runs):
     print(f"{'target':>8} " + " ".join(f"{n:>22}" for n in names)
           + f" {'adaptive/best':>14} {'adaptive/median':>16}")
     ratios = {}
-    for target in workload.targets:
-        times = {n: [time_to(c, workload, target) for c in runs[n]] for n in names}
-        medians = {n: float(np.median(times[n])) for n in names}
-        cells = [f"{medians[n]:7.1f} [{min(times[n]):5.1f}-{max(times[n]):5.1f}]" for n in names]
-        fixed = [medians[n] for n in names if n != "adaptive"]
-        if not fixed or "adaptive" not in medians:
+    both = any(n != "adaptive" for n in names) and "adaptive" in names
+    for target, times, (ratio_best, ratio_median) in rows(workload, runs):
+        cells = [f"{np.median(times[n]):7.1f} [{min(times[n]):5.1f}-{max(times[n]):5.1f}]"
+                 for n in names]
+        if not both:
             print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells))
             continue
-        # Where no fixed run (or not the median one) got there, a ratio of 0
-        # would read as a measurement.
-        ratio_best, ratio_median = (medians["adaptive"] / base if np.isfinite(base) else np.nan
-                                    for base in (min(fixed), float(np.median(fixed))))
         ratios[target] = (ratio_best, ratio_median)
         print(f"{target:>8} " + " ".join(f"{c:>22}" for c in cells)
               + f" {ratio_best:>14.2f} {ratio_median:>16.2f}")
@@ -207,6 +221,9 @@ def main(argv=None):
                              "(no ratios without both kinds)")
     parser.add_argument("--from-json", default=None, metavar="FILE",
                         help="print the table and draw the plot of an earlier invocation's --out")
+    parser.add_argument("--json", default=None,
+                        help="also write every curve with the command, machine and commit here "
+                             "(relative: under benchmarks/results/)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one is not None:
@@ -261,9 +278,13 @@ def main(argv=None):
     report(workload, runs)
     out = args.out or f"time_to_accuracy_{args.workload}_{args.procs}p.json"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    saved = {"workload": args.workload, "procs": args.procs, "runs": runs,
+             "overrides": base["overrides"], "max_seconds": args.max_seconds}
     with open(out, "w") as f:
-        json.dump({"workload": args.workload, "procs": args.procs, "runs": runs,
-                   "overrides": base["overrides"]}, f)
+        json.dump(saved, f)
+    if args.json:
+        import record
+        record.write(args.json, saved)
     try:
         plot(workload, runs, os.path.splitext(out)[0] + ".png")
     except ImportError:

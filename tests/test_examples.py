@@ -72,6 +72,17 @@ def test_bert_pretrain_checkpoints_and_resumes(tmp_path):
     assert "done after 6 steps" in resumed
 
 
+def test_bert_pretrain_with_adamw_state_on_disk_trains_as_in_memory(tmp_path):
+    small = ["--sequences", "256", "--batch-size", "32", "--max-local-bsz", "8", "--log-every", "2",
+             "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    in_memory = run([BERT, "--epochs", "1"] + small)
+    on_disk = run([BERT, "--epochs", "1", "--swap-dir", str(tmp_path / "swap"),
+                   "--swap-buffer-mb", "1"] + small)
+    losses = [re.findall(r"step +\d+ +loss ([0-9.]+)", out) for out in (in_memory, on_disk)]
+    assert losses[0] and losses[0] == losses[1], losses
+    assert not [f for f in os.listdir(tmp_path / "swap") if f.startswith("hvd_adapt-swap")]
+
+
 @pytest.mark.distributed
 @pytest.mark.elastic
 def test_elastic_demo_script_grows_and_shrinks(tmp_path):

@@ -10,6 +10,7 @@ global batch exceeds --max-local-bsz per replica), a samples/s line every
 position, LR schedule), --max-steps, and validation loss after each epoch.
 
     python examples/bert_pretrain/train.py --epochs 2
+    python examples/bert_pretrain/train.py --swap-dir /scratch/swap  # AdamW state on disk
     python examples/bert_pretrain/train.py --load-checkpoint ckpt --checkpoint-id epoch0_step40
     horovodrun -np 2 -H localhost:2 python examples/bert_pretrain/train.py
     horovodrun -np 2 --min-np 1 --max-np 3 --network-interface lo \\
@@ -102,6 +103,11 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-id", default=None, help="e.g. epoch0_step40 (default: latest)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: this replica's GPU where CUDA is available, else the CPU")
+    parser.add_argument("--swap-dir", default=None,
+                        help="keep AdamW's state in files under this folder (a local disk), "
+                             "with only a few buffers of it in memory")
+    parser.add_argument("--swap-buffer-mb", type=float, default=None,
+                        help="size of each swap buffer (default: the largest parameter's state)")
     return parser.parse_args(argv)
 
 
@@ -126,7 +132,9 @@ def main(argv=None):
     device = hvd_adapt.env.device(args.device)
     model = TinyBert(args.vocab, args.seq_len).to(device)
     opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                                           weight_decay=0.01))
+                                                           weight_decay=0.01),
+                                         swap_dir=args.swap_dir,
+                                         swap_buffer_mb=args.swap_buffer_mb)
     loader = hvd_adapt.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True,
                                           collate_fn=MaskingCollate(seed=10))
     # max_batch_size = batch_size: a fixed global batch, split into

@@ -105,10 +105,12 @@ class CheckpointWriter:
         self._error = None
         self._path = None
 
-    def write(self, payload, path, generation, background=False):
+    def write(self, payload, path, generation, background=False, stream=False):
         """Write ``payload`` (with the format tag and ``generation``) to ``path``, after the
         previous write. Where that one failed, a background write is skipped (the failure
-        waits for :meth:`failure`'s reader) and a foreground one raises it."""
+        waits for :meth:`failure`'s reader) and a foreground one raises it. ``stream``:
+        the payload stays as it is while the thread works (its tensors mapped from files
+        or copies), so the thread serialises it straight into the file."""
         self._join()
         if self._error is not None:
             if background:
@@ -123,16 +125,20 @@ class CheckpointWriter:
             except OSError as e:
                 raise self._error_for(e) from e
             return
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
+        if stream:
+            write = lambda f: torch.save(payload, f)   # noqa: E731
+        else:
+            buffer = io.BytesIO()
+            torch.save(payload, buffer)
+            write = lambda f: f.write(buffer.getbuffer())   # noqa: E731
         self._thread = threading.Thread(target=self._write_in_background,
-                                        args=(buffer, path, generation),
+                                        args=(write, path, generation),
                                         name="hvd_adapt-checkpoint")
         self._thread.start()
 
-    def _write_in_background(self, buffer, path, generation):
+    def _write_in_background(self, write, path, generation):
         try:
-            write_atomically(path, lambda f: f.write(buffer.getbuffer()), generation)
+            write_atomically(path, write, generation)
         except Exception as e:  # reported by failure(), wait(), and the log now
             log.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
             self._error = e

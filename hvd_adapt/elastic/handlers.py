@@ -20,12 +20,15 @@ from .participant import Participant
 _IMMUTABLE = (int, float, bool, str, type(None))
 
 
-def snapshot(value, previous=None):
+def snapshot(value, previous=None, to_host=False):
     """A copy of ``value`` (nested dicts, lists and tuples of tensors and plain values).
 
     Tensors are copied into the buffers of ``previous`` (the last snapshot)
     where shape, dtype and device match, so a commit costs a memory copy
-    rather than the allocations and bookkeeping of ``copy.deepcopy``.
+    rather than the allocations and bookkeeping of ``copy.deepcopy``. With
+    ``to_host``, GPU tensors are copied into page-locked host memory instead
+    (a commit then holds no second copy on the GPU), without waiting for the
+    device: the copy is ordered before the next step's work on its stream.
 
     >>> import torch
     >>> first = snapshot({"w": torch.zeros(2), "step": 1})
@@ -36,13 +39,17 @@ def snapshot(value, previous=None):
     if type(value) in _IMMUTABLE:
         return value
     if isinstance(value, torch.Tensor):
+        device = torch.device("cpu") if to_host and value.is_cuda else value.device
         if isinstance(previous, torch.Tensor) and previous.shape == value.shape \
-                and previous.dtype == value.dtype and previous.device == value.device:
-            return previous.copy_(value.detach())
+                and previous.dtype == value.dtype and previous.device == device:
+            return previous.copy_(value.detach(), non_blocking=device != value.device)
+        if device != value.device:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            return host.copy_(value.detach(), non_blocking=True)
         return value.detach().clone()
     if type(value) in (dict, collections.OrderedDict):
         before = previous if isinstance(previous, dict) else {}
-        out = type(value)((k, snapshot(v, before.get(k))) for k, v in value.items())
+        out = type(value)((k, snapshot(v, before.get(k), to_host)) for k, v in value.items())
         if hasattr(value, "_metadata"):
             # Module.state_dict() keeps per-module versions here for load_state_dict.
             out._metadata = copy.deepcopy(value._metadata)
@@ -54,7 +61,7 @@ def snapshot(value, previous=None):
             return value if type(value) is tuple else list(value)
         before = previous if type(previous) is type(value) and len(previous) == len(value) \
             else [None] * len(value)
-        return type(value)(snapshot(v, p) for v, p in zip(value, before))
+        return type(value)(snapshot(v, p, to_host) for v, p in zip(value, before))
     return copy.deepcopy(value)
 
 
@@ -67,6 +74,8 @@ class StateDictHandler(StateHandler):
     """
 
     light = True
+    #: Snapshot GPU tensors into host memory (the State sets it; on by default with CUDA).
+    to_host = False
 
     def __init__(self, value):
         super().__init__(value)
@@ -74,7 +83,7 @@ class StateDictHandler(StateHandler):
         self.save()
 
     def save(self):
-        self._saved = snapshot(self.value.state_dict(), self._saved)
+        self._saved = snapshot(self.value.state_dict(), self._saved, self.to_host)
 
     def restore(self):
         self.value.load_state_dict(copy.deepcopy(self._saved))
@@ -93,6 +102,12 @@ class ParticipantHandler(StateDictHandler):
     def __init__(self, value):
         super().__init__(value)
         self.light = value.sync_after_every_reset
+
+    def save(self):
+        self._saved = snapshot(self.value.commit_state(), self._saved, self.to_host)
+
+    def saved_state(self):
+        return self.value.checkpoint_state(self._saved)
 
     def sync(self):
         self.value.sync_from_root()

@@ -27,6 +27,21 @@ class Participant:
     def load_state_dict(self, state):
         raise NotImplementedError
 
+    def commit_state(self):
+        """What a commit keeps of this object (default: ``state_dict()``); a restore gives it
+        back to ``load_state_dict``."""
+        return self.state_dict()
+
+    def checkpoint_state(self, committed):
+        """What a checkpoint writes of ``committed`` (a :meth:`commit_state`); default: it."""
+        return committed
+
+    def checkpoint_is_mapped(self):
+        """True when :meth:`checkpoint_state` holds tensors mapped from files that stay as they
+        are (optimizer state on disk): a background checkpoint then writes them as they are
+        read, instead of copying them into memory first."""
+        return False
+
     def sync_from_root(self):
         """Collective: adopt rank 0's state."""
         self.load_state_dict(collective.broadcast_object(

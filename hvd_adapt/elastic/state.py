@@ -23,6 +23,7 @@ import io
 import logging
 import os
 
+import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.torch.elastic.state import TorchState
 
@@ -47,6 +48,9 @@ class State(TorchState):
 
     Pass the model, the optimizer, loaders, accumulators, GradScalers,
     schedulers and any plain values by name; read them back as attributes.
+    ``snapshot_to_host`` (default: True where CUDA is available) keeps each
+    commit's copy of GPU tensors in page-locked host memory instead of a
+    second copy on the GPU.
     Everything whose state must be the same on every replica belongs here:
     a worker that joins a job receives only what the State carries, and
     hvd_adapt refuses to run (on every rank, with an error naming it) when a
@@ -71,7 +75,7 @@ class State(TorchState):
     else the first loader given.
     """
 
-    def __init__(self, model=None, optimizer=None, **kwargs):
+    def __init__(self, model=None, optimizer=None, snapshot_to_host=None, **kwargs):
         for name in _RESERVED:
             if name in kwargs:
                 raise ValueError(f"State reserves the name {name!r} for its epoch counter; "
@@ -84,6 +88,12 @@ class State(TorchState):
             if handler is not None:
                 ours[name] = handler
                 del kwargs[name]
+        if snapshot_to_host is None:
+            snapshot_to_host = torch.cuda.is_available()
+        for handler in ours.values():
+            # Commits of GPU tensors to page-locked host memory, not a second GPU copy.
+            handler.to_host = bool(snapshot_to_host)
+            handler.save()
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
         internals.check_state(self)
@@ -332,16 +342,27 @@ class State(TorchState):
             self.settle_checkpoint()
 
     # -- whole-job checkpoints -------------------------------------------------------
-    def _checkpoint_payload(self):
+    def _checkpoint_payload(self, stable=False):
+        # stable: a copy that the next commit does not overwrite (its buffers
+        # are reused), so that a thread may serialise it while training goes on.
+        # State mapped from files (optimizer state on disk) is stable as it is.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Commits copy GPU tensors to host memory without waiting: done by now.
+            torch.cuda.synchronize()
         handlers = {}
         for name, handler in internals.handlers(self).items():
             if hasattr(handler, "saved_state"):
-                handlers[name] = {"state_dict": handler.saved_state()}
+                saved = handler.saved_state()
+                mapped = isinstance(handler.value, Participant) \
+                    and handler.value.checkpoint_is_mapped()
+                handlers[name] = {"state_dict": snapshot(saved) if stable and not mapped
+                                  else saved}
             elif hasattr(handler.value, "state_dict"):
                 handlers[name] = {"state_dict": handler.value.state_dict()}
             else:
                 handlers[name] = {"value": handler.value}
-        return {"handlers": handlers, "objects": dict(internals.saved_values(self))}
+        objects = dict(internals.saved_values(self))
+        return {"handlers": handlers, "objects": snapshot(objects) if stable else objects}
 
     def _committed_generation(self):
         return internals.handlers(self)["epochs"].saved_state()["commits"]
@@ -370,7 +391,11 @@ class State(TorchState):
             self._checkpoint_writer.wait()
             return
         self._written = None
-        self._checkpoint_writer.write(self._checkpoint_payload(), path, generation, background)
+        # With state mapped from files (too large to copy into memory), a
+        # background write serialises a stable copy on its thread instead.
+        stream = background and any(p.checkpoint_is_mapped() for p in self._participants)
+        self._checkpoint_writer.write(self._checkpoint_payload(stable=stream), path, generation,
+                                      background, stream=stream)
         self._written = target
 
     def refresh_checkpoint(self, path):

@@ -24,6 +24,7 @@ from ..elastic.participant import Participant
 from .exchange import Cycle, GradientExchange
 from .noise import GradientNoiseScale, adam_denominators
 from .scaling_rules import ScalingRule, default_rule
+from .swap import SwappedState
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     def __init__(self, optimizer, scaling_rule=None, smoothing=0.999, measure_noise=None,
                  compression=None, op=None, gradient_predivide_factor=1.0, grad_scaler=None,
-                 bucket_cap_mb=None, sparse_as_dense=False, named_parameters=None):
+                 bucket_cap_mb=None, sparse_as_dense=False, named_parameters=None,
+                 swap_dir=None, swap_buffer_mb=None):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("optimizer is already an hvd_adapt.DistributedOptimizer")
         if callable(getattr(optimizer, "synchronize", None)) \
@@ -137,6 +139,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             sparse_as_dense=sparse_as_dense, names=names)
         for p in params:
             CONTEXT.hooked_params[p] = weakref.ref(self)
+        self._swap = None
+        self._committed_generation = None
+        if swap_dir is not None:
+            self._swap = SwappedState(optimizer, swap_dir, swap_buffer_mb)
+            if optimizer.state:
+                # State it had already (a loaded checkpoint) goes to disk too.
+                self._swap.load(dict(optimizer.state))
+                optimizer.state.clear()
+            weakref.finalize(self, self._swap.close)
         # Its step makes collectives: a State must carry it.
         CONTEXT.collective_objects.add(self)
 
@@ -209,6 +220,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     def on_reset(self):
         self.discard_accumulation()
+        if self._swap is not None:
+            self._swap.remove_stale()
 
     def discard_accumulation(self):
         """Forget accumulated micro-steps and measurements (after a restore)."""
@@ -246,8 +259,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         by_group = {}
         for i, index in enumerate(group_indices):
             by_group.setdefault(index, []).append(i)
+        source = self.optimizer.state if self._swap is None \
+            else self._swap.read(params, {"exp_avg_sq", "step"})
         for index, members in by_group.items():
-            states = [self.optimizer.state.get(params[i], {}) for i in members]
+            states = [source.get(params[i], {}) for i in members]
             for i, denominator in zip(members, adam_denominators(states, groups[index])):
                 out[i] = denominator
         return out
@@ -322,7 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if controller is None:
             self.gns.progress += 1.0
             self.gns.steps += 1
-            return self.optimizer.step(closure)
+            return self._inner_step(closure)
         batch_size, init_batch_size = controller.batch_size, controller.init_batch_size
         groups = self.param_groups
         factors = self.scaling_rule.lr_factors(self.gns, batch_size, init_batch_size, len(groups))
@@ -335,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                 group["lr"] = group["lr"] * float(factor)
             saved.append(original)
         try:
-            result = self.optimizer.step(closure)
+            result = self._inner_step(closure)
         finally:
             for original, group in zip(saved, groups):
                 group.update(original)
@@ -345,6 +360,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             self.gns.progress += 1.0
         self.gns.steps += 1
         return result
+
+    def _inner_step(self, closure):
+        if self._swap is None:
+            return self.optimizer.step(closure)
+        if closure is not None:
+            raise ValueError("step(closure) cannot be used with swap_dir: the state is stepped "
+                             "a chunk of parameters at a time, and a closure would run per chunk")
+        self._swap.step()
+        return None
+
+    def swap_metrics(self):
+        """Seconds reading, waiting for reads, writing and stepping, and bytes moved, over the
+        steps taken with the state on disk (an empty dict without ``swap_dir``)."""
+        return {} if self._swap is None else self._swap.stats.as_dict()
 
     def _sync_forgotten(self):
         # Every replica takes its first step here at the same point, so this
@@ -363,10 +392,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
         """Collective: adopt rank 0's optimizer state, noise scale, GradScaler state and
-        bucket layout; drop accumulated gradients."""
+        bucket layout; drop accumulated gradients. State on disk travels a chunk at a time."""
         collective.broadcast_optimizer_state(self.optimizer)
         self._load_extra_state(collective.broadcast_object(self._extra_state(),
                                                            name="hvd_adapt.sync.optimizer"))
+        if self._swap is not None:
+            layout = collective.broadcast_object(self._swap.layout_dump(),
+                                                 name="hvd_adapt.sync.swap_layout")
+            root = env.rank() == 0
+            if not root:
+                self._swap.adopt_layout(layout)
+            self._swap.broadcast_chunks(
+                root, lambda data, name: collective.broadcast_bytes(data, 0, name))
         self.discard_accumulation()
         self._synced = True
 
@@ -387,8 +424,46 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     def state_dict(self):
         """torch's ``state_dict()`` of the wrapped groups and state (with this optimizer's
         state_dict hooks), plus hvd_adapt's own state (noise scale, GradScaler, bucket
-        layout) under the key ``"hvd_adapt"``."""
-        return dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
+        layout) under the key ``"hvd_adapt"``. State on disk comes as tensors mapped from
+        its files: read as they are used, not loaded first."""
+        out = dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
+        if self._swap is not None:
+            out["state"] = self._indexed(self._swap.state_tensors())
+        return out
+
+    def _indexed(self, states):
+        # torch's state_dict numbers parameters in the order of its groups.
+        index = {id(p): i for i, p in enumerate(p for group in self.param_groups
+                                                for p in group["params"])}
+        return {index[id(p)]: values for p, values in states.items()}
+
+    def _by_param(self, indexed):
+        params = [p for group in self.param_groups for p in group["params"]]
+        return {params[int(i)]: values for i, values in indexed.items()}
+
+    def commit_state(self):
+        """A commit's copy: with the state on disk, the generation of files it is in (a
+        commit costs no copy of it), else :meth:`state_dict`."""
+        if self._swap is None:
+            return self.state_dict()
+        generation = self._swap.commit()
+        if self._committed_generation is not None:
+            self._swap.release(self._committed_generation)
+        self._committed_generation = generation
+        out = dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
+        out["hvd_adapt"]["swap_generation"] = generation
+        return out
+
+    def checkpoint_state(self, committed):
+        generation = committed["hvd_adapt"].get("swap_generation")
+        if self._swap is None or generation is None:
+            return committed
+        extra = {k: v for k, v in committed["hvd_adapt"].items() if k != "swap_generation"}
+        return dict(committed, state=self._indexed(self._swap.state_tensors(generation)),
+                    hvd_adapt=extra)
+
+    def checkpoint_is_mapped(self):
+        return self._swap is not None
 
     def load_state_dict(self, state_dict):
         """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept)."""
@@ -398,7 +473,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             # hvd_adapt 0.2's layout, in checkpoints it wrote.
             extra = {"gns": state_dict["gns"]}
             state_dict = state_dict["optimizer"]
-        self.optimizer.load_state_dict(state_dict)
+        if self._swap is None:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            # The groups into the optimizer; the state onto disk, a chunk at a time
+            # (or, restoring a commit, back to the generation it kept).
+            states = state_dict.get("state", {})
+            self.optimizer.load_state_dict(dict(state_dict, state={}))
+            generation = (extra or {}).get("swap_generation")
+            if generation is not None:
+                self._swap.restore(generation)
+            else:
+                self._swap.load(self._by_param(states))
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()

@@ -50,7 +50,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order  # noqa: E402
 from launch import WORKERS, launch_env  # noqa: E402
 from training_logs import (SAMPLES, check_exactly_once, check_identical_replicas,  # noqa: E402
-                           read_attempts, read_logs)
+                           read_attempts, read_logs, read_save_times)
 
 KINDS = ("mixed", "kill_after_sync", "poll_race", "kill_in_checkpoint", "slow_join", "drain")
 # The recipe every soak trains: AdamW with weight decay, bf16 autocast with a
@@ -162,7 +162,7 @@ def soak(events, seed, kind="mixed"):
     job.check()
     check_exactly_once(commits, epochs, summary["epochs"])
     check_identical_replicas(commits)
-    summary["restore_points_checked"] = check_restore_points(job.out_dir, commits)
+    summary["restore_points_checked"] = check_restore_points(job.out_dir)
     summary["checkpoint_ages_checked"] = check_checkpoint_ages(job.out_dir)
     return summary
 
@@ -182,14 +182,12 @@ def _resets(out_dir):
     return sum(len(entries) - 1 for entries in read_attempts(out_dir).values())
 
 
-def check_restore_points(out_dir, commits):
+def check_restore_points(out_dir):
     """Wherever a process ran the training function again without committing in between
     (a failure right after its sync), it held exactly what it held at the attempt before:
     its restore point was what it was synced to. Returns how many were checked."""
     keys = ("step", "epoch", "position", "params", "optimizer", "scale", "generation")
-    commit_times = {}
-    for entry in commits:
-        commit_times.setdefault(entry["pid"].split(".")[1], []).append(entry["time"])
+    commit_times = read_save_times(out_dir)
     checked = 0
     for name, entries in read_attempts(out_dir).items():
         times = commit_times.get(name.split(".")[1], [])
@@ -319,6 +317,9 @@ def main():
     parser.add_argument("--kind", default="mixed", choices=KINDS + ("all",))
     parser.add_argument("--events", type=int, default=50)
     parser.add_argument("--seed", type=int, default=None, help="default: drawn and printed")
+    parser.add_argument("--json", default=None,
+                        help="also write each kind's summary here (a folder; relative: under "
+                             "benchmarks/results/)")
     args = parser.parse_args()
     seed = random.randrange(10 ** 6) if args.seed is None else args.seed
     for kind in KINDS if args.kind == "all" else (args.kind,):
@@ -326,6 +327,10 @@ def main():
         summary = soak(args.events, seed, kind)
         print(json.dumps(summary), flush=True)
         print(f"soak passed: kind={kind} seed={seed}", flush=True)
+        if args.json:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+            import record
+            record.write(os.path.join(args.json, f"{kind}.json"), summary)
 
 
 if __name__ == "__main__":

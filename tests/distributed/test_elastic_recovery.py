@@ -4,6 +4,8 @@ every rank's restore point, slow workers join, a GradScaler's backed-off scale r
 joining worker, accumulator updates survive a removal raised between commits, and a host
 added during a reset is not forgotten.
 """
+import os
+
 import pytest
 
 from elastic_jobs import run_elastic, sizes_in_order
@@ -113,3 +115,22 @@ def test_a_host_added_during_a_reset_joins_without_another_discovery_change():
     assert sizes_in_order(commits) == [1, 2, 3], sizes_in_order(commits)
     check_exactly_once(commits, epochs, 3)
     check_identical_replicas(commits)
+
+
+@pytest.mark.parametrize("schedule,np,kill", [
+    ([(0, ["localhost:2"]), (5, ["localhost:3"]), (10, ["localhost:2"])], 2, []),
+    ([(0, ["localhost:2", "127.0.0.1:1"])], 3, ["--kill-step", "5", "--kill-host", "127.0.0.1"]),
+], ids=["resize-2-3-2", "sigkill"])
+def test_optimizer_state_on_disk_through_resizes_and_kills(schedule, np, kill, tmp_path):
+    # The state travels to a joining worker a chunk at a time, a commit and a
+    # restore are generations of files: the same checks as in memory.
+    args = RECIPE + ["--epochs", "3", "--wait-steps", "[5, 10]", "--swap-dir", str(tmp_path)] + kill
+    job, commits, epochs = run_elastic(schedule, np=np, min_np=1, max_np=3, worker_args=args,
+                                       launcher_args=["--blacklist-cooldown-range", 1, 3])
+    job.check()
+    assert len(set(sizes_in_order(commits))) >= 2, sizes_in_order(commits)
+    check_exactly_once(commits, epochs, 3)
+    check_identical_replicas(commits)
+    # Every process that ended removed its files; a killed one could not.
+    left = [name for name in os.listdir(tmp_path) if name.startswith("hvd_adapt-swap")]
+    assert len(left) <= (1 if kill else 0), left

@@ -17,6 +17,16 @@ def read_attempts(out_dir):
     return attempts
 
 
+def read_save_times(out_dir):
+    """When each process committed (its state handlers saved), an epoch's end included:
+    {pid: [times]}."""
+    times = {}
+    for path in glob.glob(os.path.join(out_dir, "saves.*.jsonl")):
+        with open(path) as f:
+            times[os.path.basename(path).split(".")[1]] = [json.loads(line)["time"] for line in f]
+    return times
+
+
 def read_logs(out_dir):
     """Every rank's committed batches (commits.*.jsonl) and rank 0's epoch totals."""
     commits = []

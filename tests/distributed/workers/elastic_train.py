@@ -49,6 +49,9 @@ class CommitLog:
 
 class CommitLogHandler(StateHandler):
     def save(self):
+        # Every save, even one with nothing trained since the last (an epoch's
+        # end), is a commit: its time bounds the restore points the soak checks.
+        append_line(f"saves.{os.getpid()}.jsonl", {"time": time.time()})
         if self.value.pending:
             with open(self.value.path, "a") as f:
                 for entry in self.value.pending:
@@ -70,9 +73,10 @@ def params_digest(model):
 
 
 def optimizer_digest(opt):
-    """A hash of every tensor and number of the wrapped optimizer's state (moments, steps)."""
+    """A hash of every tensor and number of the optimizer's state (moments, steps; read from
+    its files where it is on disk)."""
     h = hashlib.sha256()
-    for index, entry in sorted(opt.optimizer.state_dict()["state"].items()):
+    for index, entry in sorted(opt.state_dict()["state"].items()):
         for key in sorted(entry):
             value = entry[key]
             data = value.detach().cpu().float().numpy().tobytes() if torch.is_tensor(value) \
@@ -141,6 +145,8 @@ def main():
     parser.add_argument("--drain", action="store_true",
                         help="a SIGTERM drains the job into --checkpoint")
     parser.add_argument("--batch-seconds", type=float, default=0.0)
+    parser.add_argument("--swap-dir", default=None,
+                        help="the optimizer's state on disk in this folder")
     parser.add_argument("--commit-every", type=int, default=1,
                         help="commit at every N-th optimizer step; check for host changes "
                              "after the other batches (the digits example's pattern)")
@@ -164,7 +170,8 @@ def main():
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.01)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=3) \
         if args.amp else None
-    opt = hvd_adapt.DistributedOptimizer(inner, grad_scaler=scaler)
+    opt = hvd_adapt.DistributedOptimizer(inner, grad_scaler=scaler, swap_dir=args.swap_dir,
+                                         swap_buffer_mb=0.05 if args.swap_dir else None)
     loader = hvd_adapt.AdaptiveDataLoader(IndexDataset(args.samples), batch_size=args.batch_size,
                                           shuffle=True, seed=3)
     if args.autoscale:

@@ -1,0 +1,267 @@
+"""Render benchmarks/RESULTS.md from the benchmarks' JSON under benchmarks/results/.
+
+Every table in RESULTS.md comes from a JSON file a benchmark wrote (with its
+command, the machine and the commit: ``record.py``), and the words around
+it from ``benchmarks/results/notes/<section>.md``, so a table never drifts
+from its data. ``--check`` exits 1 where the committed RESULTS.md differs
+from what the JSON gives (a test runs it).
+
+    python benchmarks/report.py            # rewrite RESULTS.md
+    python benchmarks/report.py --check
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+OUTPUT = os.path.join(HERE, "RESULTS.md")
+
+
+def load(pattern):
+    return [json.load(open(path)) for path in sorted(glob.glob(os.path.join(RESULTS_DIR, pattern)))]
+
+
+def notes(section):
+    path = os.path.join(RESULTS_DIR, "notes", f"{section}.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read().strip() + "\n"
+
+
+def provenance(records):
+    """The commands, commits, dates and machine of ``records``, as lines."""
+    commands = sorted({r["command"] for r in records})
+    commits = ", ".join(sorted({r["commit"] for r in records}))
+    dates = ", ".join(sorted({r["date"] for r in records}))
+    m = records[0]["machine"]
+    machine = (f"{m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python "
+               f"{m.get('python')}, torch {m.get('torch')}, Horovod {m.get('horovod')}")
+    lines = ["```"] + commands + ["```", "", f"Commit {commits}; {dates}; {machine}."]
+    return "\n".join(lines) + "\n"
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def spread(values, digits=3):
+    values = sorted(values)
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:.{digits}f}"
+    return f"{median:.{digits}f} ({values[0]:.{digits}f}-{values[-1]:.{digits}f})"
+
+
+# -- sections ------------------------------------------------------------------------------
+def overhead_section():
+    records = load("overhead/*.json")
+    if not records:
+        return None
+    parts = ["## Cost against plain Horovod: `overhead.py`\n", notes("overhead")]
+    for measuring in (False, True):
+        group = [r for r in records if r["data"]["measure_noise"] == measuring
+                 and r["data"]["device"] != "cuda"]
+        if not group:
+            continue
+        rows, keys = [], []
+        for r in group:
+            for row in r["data"]["rows"]:
+                key = (row["model"], row["procs"])
+                if key not in keys:
+                    keys.append(key)
+        for model, procs in keys:
+            found = [row for r in group for row in r["data"]["rows"]
+                     if (row["model"], row["procs"]) == (model, procs)]
+            rows.append([model, procs, f"{statistics.median(x['plain_ms'] for x in found):.2f}",
+                         f"{statistics.median(x['hvd_adapt_ms'] for x in found):.2f}",
+                         spread([x["ratio"] for x in found]), len(found),
+                         f"{statistics.median(x['plain_mib'] for x in found):.0f}",
+                         f"{statistics.median(x['hvd_adapt_mib'] for x in found):.0f}"])
+        title = "measuring the noise scale (`--measure-noise`, as when autoscaling)" if measuring \
+            else "not measuring the noise scale"
+        goal = 1.05 if measuring else 1.03
+        parts += [f"### {title}: goal <= {goal} at 2 processes\n",
+                  table(["model", "procs", "plain ms", "hvd_adapt ms",
+                         "ratio: median (range) over invocations", "invocations", "plain MiB",
+                         "hvd_adapt MiB"], rows), provenance(group)]
+    return "\n".join(parts)
+
+
+def swap_section():
+    records = load("optimizer_swap.json")
+    if not records:
+        return None
+    data = records[0]["data"]
+    disk = data["disk"]
+    parts = ["## Optimizer state on disk: `optimizer_swap.py`\n", notes("optimizer_swap"),
+             f"AdamW state of {disk['bytes'] / 1e9:.2f} GB ({data['layers']} x "
+             f"Linear(4096, 4096)); O_DIRECT: {'yes' if disk['o_direct'] else 'no'}.\n",
+             table(["", "raw GB/s", "swapper GB/s", "swapper / raw", "goal"], [
+                 ["write", f"{disk['raw_write_gbps']:.2f}", f"{disk['swap_write_gbps']:.2f}",
+                  f"{disk['swap_write_gbps'] / disk['raw_write_gbps']:.2f}", ">= 0.85"],
+                 ["read", f"{disk['raw_read_gbps']:.2f}", f"{disk['swap_read_gbps']:.2f}",
+                  f"{disk['swap_read_gbps'] / disk['raw_read_gbps']:.2f}", ">= 0.85"]]),
+             f"DeepSpeed's swapper at its published 3.7 GB/s read and 3.2 GB/s write would move "
+             f"the same bytes (read and written once) in {disk['deepspeed_seconds']:.2f} s.\n",
+             table(["procs", "micro-steps", "in memory s/step", "on disk s/step", "ratio",
+                    "swap I/O hidden", "peak RSS in memory GB", "on disk GB",
+                    "saved / state bytes (goal >= 0.9)"],
+                   [[r["procs"], r["micro"], f"{r['memory_step_s']:.2f}", f"{r['swap_step_s']:.2f}",
+                     f"{r['ratio']:.2f}", f"{r['hidden']:.2f}",
+                     f"{r['memory_peak_bytes'] / 1e9:.2f}", f"{r['swap_peak_bytes'] / 1e9:.2f}",
+                     f"{r['saved_over_state']:.2f}"] for r in data["runs"]]),
+             provenance(records)]
+    return "\n".join(parts)
+
+
+SOAK_KINDS = {"mixed": "random resizes and SIGKILLs (rank 0, mid-accumulation)",
+              "kill_after_sync": "the old worker killed right after a joining worker's sync",
+              "poll_race": "a removal and an addition within one discovery poll",
+              "kill_in_checkpoint": "rank 0 killed while writing a checkpoint (a folder per host)",
+              "slow_join": "joining workers start 8 s late",
+              "drain": "SIGTERM to horovodrun, commits 3 s apart, then a restart"}
+
+
+def soak_section():
+    records = {r["data"]["kind"]: r for r in load("soak/*.json")}
+    if not records:
+        return None
+    rows = []
+    for kind, what in SOAK_KINDS.items():
+        if kind not in records:
+            continue
+        d = records[kind]["data"]
+        recoveries = d.get("recovery_after_kill") or []
+        if kind == "drain":
+            detail = (f"SIGTERM to exit {min(d['signal_to_exit']):.2f}-"
+                      f"{max(d['signal_to_exit']):.2f} s (SIGKILL at 5 s)")
+        elif recoveries:
+            fast = sum(r < 5 for r in recoveries)
+            detail = (f"{len(recoveries)} kills: {fast} noticed within 5 s, "
+                      f"{len(recoveries) - fast} at the Gloo timeout (max "
+                      f"{max(recoveries):.1f} s)")
+        else:
+            detail = f"longest pause {max(d['pauses']):.1f} s"
+        checks = []
+        if d.get("restore_points_checked"):
+            checks.append(f"{d['restore_points_checked']} restore points")
+        if d.get("checkpoint_ages_checked"):
+            checks.append(f"{d['checkpoint_ages_checked']} checkpoint ages")
+        rows.append([f"`{kind}`", what, d["events"], d.get("resets", "-"), d["epochs"],
+                     "0 lost, 0 doubled; totals exact; replicas identical" +
+                     (", " + ", ".join(checks) if checks else ""), detail, "0",
+                     f"{d['seconds']:.0f}"])
+    parts = ["## Elastic soaks: `tests/distributed/soak.py`\n", notes("soak"),
+             table(["kind", "events", "events run", "resets", "epochs", "checked, all passed",
+                    "timing", "hangs", "seconds"], rows),
+             provenance(list(records.values()))]
+    return "\n".join(parts)
+
+
+def resize_section():
+    records = load("resize_latency.json")
+    if not records:
+        return None
+    pauses = records[0]["data"]["pauses"]
+    parts = ["## Pause per resize: `resize_latency.py`\n", notes("resize_latency"),
+             table(["from", "to", "pause s"], [[p["from"], p["to"], f"{p['seconds']:.2f}"]
+                                               for p in pauses]),
+             provenance(records)]
+    return "\n".join(parts)
+
+
+def time_to_accuracy_section():
+    records = load("time_to_accuracy/*.json")
+    if not records:
+        return None
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import time_to_accuracy
+    parts = ["## Time to accuracy: `time_to_accuracy.py`\n", notes("time_to_accuracy")]
+    for record in records:
+        data = record["data"]
+        workload = time_to_accuracy.resolve({"workload": data["workload"],
+                                             "overrides": data.get("overrides", {})})
+        names = list(data["runs"])
+        rows = []
+        for target, times, ratios in time_to_accuracy.rows(workload, data["runs"]):
+            cells = [f"{np.median(times[n]):.1f} [{min(times[n]):.1f}-{max(times[n]):.1f}]"
+                     for n in names]
+            rows.append([target] + cells + [f"{r:.2f}" for r in ratios])
+        better = "higher" if workload.higher_is_better else "lower"
+        parts += [f"### {data['workload']}, {data['procs']} process(es): seconds of training "
+                  f"to each {workload.metric} target ({better} is better), median [min-max] over "
+                  f"{len(data['runs'][names[0]])} seeds\n",
+                  table(["target"] + names + ["adaptive / best fixed", "adaptive / median fixed"],
+                        rows), provenance([record])]
+    return "\n".join(parts)
+
+
+def goodput_section():
+    records = load("goodput_optimize.json")
+    if not records:
+        return None
+    rows = [[r["replicas"], r["nodes"], f"{r['latency_ms']:.3f}", r["batch"], r["accumulation"]]
+            for r in records[0]["data"]["rows"]]
+    return "\n".join(["## `GoodputFunction.optimize` latency: `goodput_optimize.py`\n",
+                      notes("goodput_optimize"),
+                      table(["replicas", "nodes", "latency ms (goal < 5)", "batch",
+                             "accumulation"], rows), provenance(records)])
+
+
+def gpu_section():
+    records = load("gpu_check.json")
+    if not records:
+        return None
+    data = records[0]["data"]
+    rows = [[r["model"], r["procs"], f"{r['plain_ms']:.2f}", f"{r['hvd_adapt_ms']:.2f}",
+             f"{r['ratio']:.3f}"] for r in data["rows"]]
+    m = records[0]["machine"]
+    return "\n".join([
+        "## On a GPU: `scripts/gpu_check.sh`\n", notes("gpu_check"),
+        f"Tests marked `gpu`: {data['tests']}.\n",
+        table(["model", "procs", "plain ms", "hvd_adapt ms", "ratio"], rows),
+        "```\n" + records[0]["command"] + "\n```\n",
+        f"Commit {records[0]['commit']}; {records[0]['date']}; {data['device']}, "
+        f"{m['cores']} cores, torch {m.get('torch')}, Horovod {m.get('horovod')} "
+        f"(NCCL {data['nccl']}).\n"])
+
+
+SECTIONS = [overhead_section, swap_section, soak_section, resize_section,
+            time_to_accuracy_section, goodput_section, gpu_section]
+
+
+def render():
+    body = [section() for section in SECTIONS]
+    head = notes("head") or "# Benchmark results\n"
+    return "\n".join([head] + [b for b in body if b]).rstrip() + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 where RESULTS.md differs from what the JSON gives")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        with open(OUTPUT) as f:
+            current = f.read()
+        if current != text:
+            print("benchmarks/RESULTS.md differs from benchmarks/results/: run "
+                  "python benchmarks/report.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(OUTPUT, "w") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
