@@ -102,10 +102,11 @@ def worker(args):
     opt = hvd_adapt.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01),
         swap_dir=args.swap_dir if args.mode == "swap" else None, measure_noise=False)
-    batch = args.batch * hvd.size() * args.micro
+    micro = int(args.micro)
+    batch = args.batch * hvd.size() * micro
     data = torch.utils.data.TensorDataset(torch.randn(batch * (args.steps + 2), WIDTH))
     loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=batch)
-    if args.micro > 1:
+    if micro > 1:
         loader.autoscale_batch_size(batch, local_bsz_bounds=(args.batch, args.batch),
                                     gradient_accumulation=True, decide_every=10 ** 6)
     hvd_adapt.State(model=model, optimizer=opt, loader=loader).sync()
