@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 import hvd_adapt
 from hvd_adapt import ElasticSampler, AdaptiveDataLoader
@@ -436,3 +436,44 @@ def test_steps_are_not_split_without_need(batch_size, measure_noise, autoscale):
     # Accumulating: one optimizer step in MEASURE_EVERY is measured.
     expected = len(range(0, 40 // 8, MEASURE_EVERY)) if autoscale else 0
     assert opt.gns.num_updates == expected
+
+
+def test_decisions_publish_the_speed_up_curve(tmp_path, monkeypatch):
+    # HVD_ADAPT_HINTS is read when autoscaling is switched on; after each
+    # decision rank 0 rewrites the file with the curve from the fitted model.
+    from hvd_adapt.scheduling.hints import CURVE_KEYS, read_hints
+    path = tmp_path / "hints" / "job.json"
+    monkeypatch.setenv("HVD_ADAPT_HINTS", str(path))
+    samples = 160
+    w = torch.nn.Parameter(torch.zeros(50))
+    opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD([w], lr=0.01))
+    gen = torch.Generator().manual_seed(0)
+    loader = AdaptiveDataLoader(TensorDataset(torch.randn(samples, 50, generator=gen)),
+                                batch_size=8)
+    loader.autoscale_batch_size(64, decide_every=5, hints_max_replicas=6)
+    hvd_adapt.State(optimizer=opt, loader=loader)
+    written = []
+    for epoch in range(2):
+        for (x,) in loader:
+            opt.zero_grad()
+            (x @ w).pow(2).mean().backward()
+            opt.step()
+            if path.exists():
+                written.append(read_hints(str(path))["written_at"])
+    hints = read_hints(str(path))
+    assert len(set(written)) >= 2, "the file is rewritten at each decision"
+    assert hints["replicas"] == 1 and hints["replica_counts_timed"] == [1]
+    assert not hints["timed_two_counts"] and hints["fitted_at"] is not None
+    curve = hints["curve"]
+    assert [c["replicas"] for c in curve] == [1, 2, 3, 4, 5, 6]
+    assert all(set(c) == set(CURVE_KEYS) for c in curve)
+    assert curve[0]["speedup"] == 1.0 and all(c["goodput"] > 0 for c in curve)
+    for c in curve:
+        assert c["batch_size"] == c["replicas"] * c["local_bsz"] * (c["accumulation_steps"] + 1)
+        assert c["batch_size"] <= 64
+
+
+def test_hints_max_replicas_is_checked():
+    loader = AdaptiveDataLoader(Indices(10), batch_size=8)
+    with pytest.raises(ValueError, match="hints_max_replicas must be an int >= 1, got 0"):
+        loader.autoscale_batch_size(64, hints_max_replicas=0)

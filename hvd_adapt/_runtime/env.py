@@ -12,6 +12,7 @@ import os
 import horovod.torch as hvd
 import torch
 
+from ..scheduling.standby import wait_for_handover
 from .blas import cap_loaded_scipy_blas
 from .threads import share_cpu_threads
 
@@ -43,7 +44,9 @@ def init(comm=None):
     start-up time. Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
-    device is ``cuda:local_rank``, as Horovod's examples set it.
+    device is ``cuda:local_rank``, as Horovod's examples set it. In a standby
+    worker (``hvd-adapt-worker --standby``, see
+    :mod:`hvd_adapt.scheduling.standby`) it first waits for a slot.
 
     >>> import hvd_adapt
     >>> hvd_adapt.init()
@@ -52,6 +55,9 @@ def init(comm=None):
     """
     if initialized():
         return
+    # A standby worker (hvd-adapt-worker --standby) waits here, booted, for the
+    # slot and environment of the launch that takes it over.
+    wait_for_handover()
     if launcher() == "python":
         # MPI_Init forks here; see blas.py for what that does to BLAS threads.
         cap_loaded_scipy_blas()

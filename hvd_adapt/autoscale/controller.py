@@ -74,11 +74,16 @@ class Controller:
         self._epoch_progress_start = 0.0
         self._epoch_verdict = None   # handle of rank 0's last epoch-end verdict in flight
         self._abandon_listeners = []
+        self._hints = None           # (path, max replicas) of the published speed-up curve
+        self._hints_error = None     # the last error publishing them, logged once
 
-    def configure(self, policy, epochs_by_progress=False):
-        """Autoscale with ``policy``; decide again before the next batch."""
+    def configure(self, policy, epochs_by_progress=False, hints_path=None, hints_max_replicas=64):
+        """Autoscale with ``policy``; decide again before the next batch. With ``hints_path``,
+        rank 0 publishes the speed-up curve for 1..``hints_max_replicas`` replicas there
+        after every decision (:mod:`hvd_adapt.scheduling.hints`)."""
         self.policy = policy
         self.epochs_by_progress = epochs_by_progress
+        self._hints = None if hints_path is None else (hints_path, hints_max_replicas)
         self._needs_decision = True
 
     @property
@@ -250,12 +255,35 @@ class Controller:
             self._log_decision(before, choice, prediction, size)
             times_halves = size > 1 and len(self.profile.sizes(env.num_nodes(), size)) < 2
             decision = (choice, times_halves)
+            if self._hints is not None:
+                self._publish_hints(size)
         if size > 1:
             # Rank 0 may have spent a while fitting the throughput model.
             collective.barrier()
             decision = collective.broadcast_object(decision, name="hvd_adapt.decision")
         choice, self._times_halves = decision
         self._choice = (int(choice[0]), int(choice[1]), size)
+
+    def _publish_hints(self, size):
+        # A scheduler's hint is never worth the training: a write that fails is
+        # logged (once per distinct error) and training goes on.
+        from ..scheduling.hints import make_hints, write_hints
+        path, max_replicas = self._hints
+        started = time.perf_counter()
+        try:
+            curve = self.policy.speedup_curve(self.profile, self.grad_params(),
+                                              max(max_replicas, size), env.local_size())
+            counts = {int(r) for r in self.profile.arrays()["num_replicas"]}
+            write_hints(path, make_hints(size, env.local_size(), counts, self.init_batch_size,
+                                         time.time() if curve else None, curve))
+            self._hints_error = None
+        except (OSError, ValueError, ArithmeticError) as e:
+            if repr(e) != self._hints_error:
+                log.warning("cannot publish the speed-up curve to %s: %s", path, e)
+            self._hints_error = repr(e)
+            return
+        log.debug("published the speed-up curve to %s in %.1f ms", path,
+                  1e3 * (time.perf_counter() - started))
 
     def _log_decision(self, before, choice, prediction, size):
         old = size * before[0] * (before[1] + 1)

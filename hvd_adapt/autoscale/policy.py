@@ -12,6 +12,8 @@ replica adopts the choice, is the controller's business
 """
 import math
 
+import numpy as np
+
 from .._checks import check_bool, check_int, is_int
 from ..goodput import GoodputFunction, fit_perf_params
 
@@ -114,14 +116,7 @@ class AutoscalePolicy:
         batch_now = num_replicas * max(current[0] * (current[1] + 1), timed.max())
         max_batch = min(self.max_batch_size,
                         max(self.init_batch_size, math.floor(self.explore_factor * batch_now)))
-        if len(profile.sizes(num_nodes, num_replicas)) >= 2:
-            # The model's compute time is the same in every world, which
-            # replicas sharing cores or memory bandwidth break. The choice is
-            # for this world: once it has measured two sizes, fit to it alone.
-            data = {key: values[here] for key, values in data.items()}
-        perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
-                               data["accum_step_time"], data["optim_step_time"])
-        fn = GoodputFunction(perf, grad_params, self.init_batch_size)
+        fn = self.goodput_function(profile, grad_params, num_nodes, num_replicas)
         goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, max_batch,
                                              bounds, self.gradient_accumulation)
         if goodput <= 0:
@@ -134,3 +129,39 @@ class AutoscalePolicy:
         gain = float(fn.efficiency(batch)) * max(batch / self.init_batch_size, 1.0)
         speedup = float(fn.evaluate(num_nodes, num_replicas, *choice)) / current_goodput
         return choice, (speedup, gain)
+
+    def goodput_function(self, profile, grad_params, num_nodes=None, num_replicas=None):
+        """The :class:`~hvd_adapt.goodput.GoodputFunction` of ``profile`` and ``grad_params``:
+        the throughput model fitted to every world's steps, or, where the world
+        (``num_nodes``, ``num_replicas``) has measured two batch sizes of its own, to
+        that world's alone."""
+        data = profile.arrays()
+        if num_replicas is not None and len(profile.sizes(num_nodes, num_replicas)) >= 2:
+            # The model's compute time is the same in every world, which
+            # replicas sharing cores or memory bandwidth break. The choice is
+            # for this world: once it has measured two sizes, fit to it alone.
+            here = (data["num_nodes"] == num_nodes) & (data["num_replicas"] == num_replicas)
+            data = {key: values[here] for key, values in data.items()}
+        perf = fit_perf_params(data["num_nodes"], data["num_replicas"], data["atomic_bsz"],
+                               data["accum_step_time"], data["optim_step_time"])
+        return GoodputFunction(perf, grad_params, self.init_batch_size)
+
+    def speedup_curve(self, profile, grad_params, max_replicas, slots_per_node):
+        """What 1..``max_replicas`` replicas would give, for a launcher or scheduler:
+        ``[{"replicas", "nodes", "goodput", "speedup", "local_bsz",
+        "accumulation_steps", "batch_size"}]``, from the model fitted to every world's
+        steps, each count at its best batch plan within this policy's bounds, its nodes
+        counted as ``slots_per_node`` replicas a node (as a launcher fills them). Empty
+        before anything is measured."""
+        if grad_params is None or len(profile) == 0:
+            return []
+        fn = self.goodput_function(profile, grad_params)
+        replicas = np.arange(1, max_replicas + 1)
+        nodes = np.ceil(replicas / max(1, slots_per_node))
+        goodput, atomic, accum = fn.optimize(nodes, replicas, self.max_batch_size,
+                                             self.local_bsz_bounds, self.gradient_accumulation)
+        single = float(goodput[0]) if goodput[0] > 0 else float("nan")
+        return [{"replicas": int(r), "nodes": int(n), "goodput": float(g),
+                 "speedup": float(g) / single, "local_bsz": int(b), "accumulation_steps": int(s),
+                 "batch_size": int(r * b * (s + 1))}
+                for r, n, g, b, s in zip(replicas, nodes, goodput, atomic, accum)]

@@ -5,6 +5,7 @@ What a plan holds (local batch, accumulation steps) comes from the loader's
 steps it hands out and tells the controller, and re-plans the rest of the
 pass when the controller decides on another batch size.
 """
+import os
 import time
 
 import torch
@@ -149,7 +150,7 @@ class AdaptiveDataLoader(Participant):
 
     def autoscale_batch_size(self, max_batch_size, local_bsz_bounds=None,
                              gradient_accumulation=False, decide_every=50,
-                             epochs_by_progress=False):
+                             epochs_by_progress=False, hints_path=None, hints_max_replicas=64):
         """Let hvd_adapt choose the batch size for goodput, up to ``max_batch_size``.
 
         ``local_bsz_bounds=(lo, hi)`` bounds the per-replica atomic batch; a
@@ -170,11 +171,19 @@ class AdaptiveDataLoader(Participant):
         passes over the data (each its own shuffle, each sample once per
         pass), until the progress is made. Without it (the default) an epoch
         is one pass and every sample is seen exactly once per epoch.
+
+        ``hints_path`` (default: the ``HVD_ADAPT_HINTS`` environment variable,
+        none when unset): after every decision rank 0 writes there what
+        1..``hints_max_replicas`` replicas would give (the format of
+        :mod:`hvd_adapt.scheduling.hints`), for ``hvd-adapt-discover`` or a
+        cluster scheduler to offer the job only the workers that pay.
         """
         policy = AutoscalePolicy.create(self.batch_size, max_batch_size, local_bsz_bounds,
                                         gradient_accumulation, decide_every)
         check_bool("epochs_by_progress", epochs_by_progress)
-        self.controller.configure(policy, epochs_by_progress)
+        check_int("hints_max_replicas", hints_max_replicas, 1)
+        hints_path = hints_path or os.environ.get("HVD_ADAPT_HINTS") or None
+        self.controller.configure(policy, epochs_by_progress, hints_path, hints_max_replicas)
         # Its decisions are collectives: a State must carry it.
         CONTEXT.collective_objects.add(self)
         if env.initialized() and env.rank() == 0:

@@ -43,17 +43,24 @@ def discovery_script(out_dir, schedule):
     return path
 
 
+def worker_command(worker_args):
+    """The training command every worker of :func:`run_elastic` runs."""
+    return [sys.executable, os.path.join(WORKERS, "elastic_train.py"),
+            "--samples", str(SAMPLES)] + [str(a) for a in worker_args]
+
+
 def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180, env=None,
-                launcher_args=()):
+                launcher_args=(), out_dir=None, discovery=None, launch_prefix=()):
     """Run workers/elastic_train.py under elastic horovodrun with hosts from ``schedule``;
-    returns the job, every rank's commits and rank 0's epoch totals."""
-    out_dir = tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
+    returns the job, every rank's commits and rank 0's epoch totals. ``discovery(script)``
+    turns the schedule's discovery script into the one horovodrun runs (a wrapper);
+    ``launch_prefix`` goes before the training command (a launch stub)."""
+    out_dir = out_dir or tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
+    script = discovery_script(out_dir, schedule)
     command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
                "--max-np", str(max_np), "--network-interface", "lo",
-               "--host-discovery-script", discovery_script(out_dir, schedule),
-               *[str(a) for a in launcher_args], sys.executable,
-               os.path.join(WORKERS, "elastic_train.py"),
-               "--samples", str(SAMPLES)] + [str(a) for a in worker_args]
+               "--host-discovery-script", discovery(script) if discovery else script,
+               *[str(a) for a in launcher_args], *launch_prefix, *worker_command(worker_args)]
     job = run_job(command, out_dir=out_dir, timeout=timeout, env=env)
     return (job,) + read_logs(out_dir)
 

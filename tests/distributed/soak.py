@@ -184,7 +184,8 @@ def _resets(out_dir):
 
 def check_restore_points(out_dir):
     """Wherever a process ran the training function again without committing in between
-    (a failure right after its sync), it held exactly what it held at the attempt before:
+    (a failure right after its sync; the next attempt's own sync saves once), it held
+    exactly what it held at the attempt before:
     its restore point was what it was synced to. Returns how many were checked."""
     keys = ("step", "epoch", "position", "params", "optimizer", "scale", "generation")
     commit_times = read_save_times(out_dir)
@@ -192,7 +193,9 @@ def check_restore_points(out_dir):
     for name, entries in read_attempts(out_dir).items():
         times = commit_times.get(name.split(".")[1], [])
         for before, after in zip(entries, entries[1:]):
-            if not any(before["time"] < t < after["time"] for t in times):
+            # Every attempt starts with a sync, and every sync saves: one save
+            # in between is the later attempt's own sync, more are commits.
+            if sum(before["time"] < t < after["time"] for t in times) <= 1:
                 assert {k: before[k] for k in keys} == {k: after[k] for k in keys}, \
                     (name, before, after)
                 checked += 1

@@ -195,7 +195,8 @@ def main():
 
     def holding():
         """What this rank holds now, for comparing ranks and restore points."""
-        return {"rank": hvd.rank(), "size": hvd.size(), "host": host, "step": state.step,
+        return {"rank": hvd.rank(), "size": hvd.size(), "host": host, "ppid": os.getppid(),
+                "step": state.step,
                 "epoch": state.epoch, "position": loader.sampler.position,
                 "params": params_digest(model), "optimizer": optimizer_digest(opt),
                 "scale": None if scaler is None else scaler.get_scale(),

@@ -1,0 +1,16 @@
+"""What a launcher or a cluster scheduler needs from a job: beyond one machine.
+
+- :mod:`.hints`: the speed-up curve a job publishes (a versioned JSON file),
+  read and written with the standard library alone;
+- :mod:`.rule`: which hosts pay, from that curve (the marginal-efficiency
+  rule, hysteresis, growth bounds, existing hosts first);
+- :mod:`.probe`: which new hosts answer on their sshd port, in parallel;
+- :mod:`.discover`: ``hvd-adapt-discover``, the host-discovery script that
+  wraps any base discovery with the rule;
+- :mod:`.standby`: ``hvd-adapt-worker``, warm standby workers that boot while
+  the job trains and are handed the slot Horovod launches.
+
+Everything here imports the standard library only (no torch, numpy or
+Horovod): Horovod runs the discovery script every second, and each run must
+answer in milliseconds.
+"""

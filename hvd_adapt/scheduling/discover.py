@@ -1,0 +1,261 @@
+"""``hvd-adapt-discover``: a host-discovery script that offers a job only the hosts that pay.
+
+Give it to ``horovodrun --host-discovery-script`` in place of the base
+discovery it wraps (a static host file, or any command that prints
+``host[:slots]`` lines, such as the MPI Operator's
+``/etc/mpi/discover_hosts.sh``)::
+
+    horovodrun -np 2 --min-np 1 --max-np 16 --host-discovery-script \\
+        "hvd-adapt-discover --command /etc/mpi/discover_hosts.sh --hints /shared/hints.json \\
+         --min-np 1 --max-np 16 --slots 4" python train.py
+
+Horovod runs it every second and reads ``host:slots`` lines. Each run:
+
+1. reads the base hosts, in the base's order;
+2. puts the hosts it offered last time first (their slots as before), then
+   spare slots on them, then new hosts; a new host counts only when its
+   sshd port answers (``--ssh-port``; a pod that runs is not yet one that
+   accepts ssh) and, with ``--standby-dir``, only with as many slots as it
+   has standby workers ready (:mod:`hvd_adapt.scheduling.standby`);
+3. with ``--hints`` (the file the job publishes, see
+   :mod:`hvd_adapt.scheduling.hints`), offers as many workers as pay
+   (:class:`~hvd_adapt.scheduling.rule.DiscoveryRule`); without it, all
+   that are ready. The hosts last offered stay as they are while the job
+   has not yet published hints from the world they make (a resize in
+   flight), and while the hints are older than ``--stale-after`` seconds;
+4. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
+   small state file (``--state``), for the next run.
+
+A host it stops offering leaves the job as any removed host does: Horovod
+interrupts the workers at their next commit (``HostsUpdatedInterrupt``) and
+stops the removed host's workers; it is not blacklisted. Changes are logged
+to standard error, which horovodrun shows. Standard library only: a run
+takes milliseconds (``benchmarks/RESULTS.md``), the base command's time aside.
+"""
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+from .hints import HintsError, read_hints
+from .probe import reachable
+from .rule import DiscoveryRule, assign
+from .standby import ready_count
+
+_LINE = re.compile(r"^\s*([^\s:#]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?\s*$")
+
+
+def parse_hosts(text, default_slots, source):
+    """``[(host, slots)]`` from Horovod's ``host[:slots]`` lines or an MPI host file's
+    ``host slots=N``; blank lines and ``#`` comments are skipped; a host listed twice keeps
+    its first place and its last slot count."""
+    hosts = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0]
+        if not line.strip():
+            continue
+        match = _LINE.match(line)
+        if not match:
+            raise ValueError(f"{source}, line {number}: expected 'host', 'host:slots' or "
+                             f"'host slots=N', got {raw!r}")
+        slots = int(match.group(2) or match.group(3) or default_slots)
+        if slots < 1:
+            raise ValueError(f"{source}, line {number}: slots must be >= 1, got {raw!r}")
+        hosts[match.group(1)] = slots
+    return list(hosts.items())
+
+
+def base_hosts(args):
+    """The base discovery's hosts, in its order."""
+    if args.hostfile:
+        with open(args.hostfile) as f:
+            return parse_hosts(f.read(), args.slots, args.hostfile)
+    import subprocess
+    result = subprocess.run(args.command, shell=True, capture_output=True, text=True,
+                            timeout=args.command_timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"the base discovery {args.command!r} failed with exit code "
+                           f"{result.returncode}: {result.stderr.strip()[-500:]}")
+    return parse_hosts(result.stdout, args.slots, repr(args.command))
+
+
+def candidates(base, previous, args):
+    """Hosts in the order to fill them, with their capacity: last offered (as offered),
+    their spare slots, then new hosts that answer and have standbys ready."""
+    capacity = dict(base)
+    if args.standby_dir:
+        capacity = {host: min(slots, previous.get(host, 0) + ready_count(args.standby_dir, host))
+                    for host, slots in base}
+    kept = [(host, min(slots, capacity[host])) for host, slots in previous.items()
+            if host in capacity]
+    spare = [(host, capacity[host] - slots) for host, slots in kept if capacity[host] > slots]
+    new = [host for host, _ in base if host not in previous and capacity[host] > 0]
+    if new and args.ssh_port:
+        answering = reachable(new, args.ssh_port, args.probe_timeout)
+        new = [host for host in new if host in answering]
+    return kept, spare + [(host, capacity[host]) for host in new]
+
+
+def merge(hosts):
+    """``[(host, slots)]`` with each host once, at its first place, slots summed."""
+    merged = {}
+    for host, slots in hosts:
+        merged[host] = merged.get(host, 0) + slots
+    return list(merged.items())
+
+
+def target_replicas(args, rule, kept, total, state, now):
+    """How many workers to offer, and why."""
+    current = sum(slots for _, slots in kept)
+    if not state.get("hosts"):
+        return args.initial_np or args.min_np, "first offer"
+    if not args.hints:
+        return total, "all that are ready"
+    try:
+        hints = read_hints(args.hints)
+    except HintsError as e:
+        return current, f"unreadable hints ({e})"
+    if hints is None or not hints["curve"]:
+        return current, "no speed-up curve published yet"
+    if now - hints["written_at"] > args.stale_after:
+        return current, f"hints older than {args.stale_after:g} s"
+    changed_at = state.get("changed_at", 0.0)
+    in_flight = hints["written_at"] < changed_at or hints["replicas"] != current
+    if in_flight and now - changed_at < args.settle:
+        return current, "resize in flight"
+    limit = min(total, rule.growth_cap(hints["replica_counts_timed"], current))
+    best = rule.target(hints["curve"], max(1, args.min_np), limit,
+                       hints.get("slots_per_node", 1))
+    if not rule.worth_changing(hints["curve"], current, best):
+        return current, f"{best} replica(s) would not pay for a resize"
+    speedup = {e["replicas"]: e["speedup"] for e in hints["curve"]}
+    return best, (f"predicted speed-up {speedup.get(best, 0):.2f} at {best} against "
+                  f"{speedup.get(current, 0):.2f} at {current}")
+
+
+def default_state_path(args):
+    if args.hints:
+        return args.hints + ".discover.json"
+    key = hashlib.sha1(repr((args.hostfile, args.command)).encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"hvd-adapt-discover-{os.getuid()}-{key}.json")
+
+
+def load_state(path):
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        state["hosts"] = {host: slots for host, slots in state["hosts"]}
+        return state
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return {"hosts": {}}
+
+
+def save_state(path, hosts, changed_at):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"hosts": hosts, "changed_at": changed_at}, f)
+    os.replace(tmp, path)
+
+
+def discover(args, now=None):
+    """One run: the ``[(host, slots)]`` to print (and the state file updated)."""
+    now = time.time() if now is None else now
+    rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
+    state_path = args.state or default_state_path(args)
+    state = load_state(state_path)
+    kept, more = candidates(base_hosts(args), state["hosts"], args)
+    total = sum(slots for _, slots in kept + more)
+    if args.max_np:
+        total = min(total, args.max_np)
+    replicas, why = target_replicas(args, rule, kept, total, state, now)
+    replicas = max(args.min_np, min(replicas, total))
+    hosts = merge(assign(kept + more, replicas))
+    changed_at = state.get("changed_at", 0.0)
+    if hosts != list(state["hosts"].items()):
+        changed_at = now
+        sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
+                         f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
+    save_state(state_path, hosts, changed_at)
+    return hosts
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        prog="hvd-adapt-discover",
+        description="Host discovery for horovodrun --elastic that offers only the hosts that "
+                    "pay (see hvd_adapt.scheduling.discover).")
+    base = p.add_mutually_exclusive_group(required=True)
+    base.add_argument("--hostfile", help="base hosts: a file of 'host[:slots]' lines")
+    base.add_argument("--command", help="base hosts: a command printing 'host[:slots]' lines")
+    p.add_argument("--command-timeout", type=float, default=10.0,
+                   help="seconds the base command may take (default 10)")
+    p.add_argument("--slots", type=int, default=1,
+                   help="slots of a host listed without any (default 1)")
+    p.add_argument("--hints", default=None,
+                   help="the job's published speed-up curve (HVD_ADAPT_HINTS); without it, "
+                        "every ready host is offered")
+    p.add_argument("--min-np", type=int, default=1)
+    p.add_argument("--max-np", type=int, default=None)
+    p.add_argument("--initial-np", type=int, default=None,
+                   help="workers of the first offer (horovodrun's -np; default --min-np)")
+    p.add_argument("--efficiency", type=float, default=0.5,
+                   help="least speed-up an added worker must bring, in workers (default 0.5)")
+    p.add_argument("--min-gain", type=float, default=0.05,
+                   help="least predicted gain worth a resize (default 0.05)")
+    p.add_argument("--min-change", type=float, default=0.15,
+                   help="least resize, as a share of the current workers (default 0.15)")
+    p.add_argument("--growth-limit", type=float, default=2.0,
+                   help="most workers, as a multiple of the most the job has timed (default 2)")
+    p.add_argument("--ssh-port", type=int, default=22,
+                   help="port a new host must answer on (default 22; 0: no check)")
+    p.add_argument("--probe-timeout", type=float, default=0.03,
+                   help="seconds to wait for new hosts' ports, all at once (default 0.03)")
+    p.add_argument("--standby-dir", default=None,
+                   help="offer new slots only where a standby worker is ready "
+                        "(hvd-adapt-worker --standby)")
+    p.add_argument("--state", default=None,
+                   help="where to remember the hosts offered (default: beside --hints, "
+                        "else in the temp folder)")
+    p.add_argument("--stale-after", type=float, default=600.0,
+                   help="ignore hints older than this many seconds (default 600)")
+    p.add_argument("--settle", type=float, default=120.0,
+                   help="seconds a resize may take before hints from the old world count "
+                        "again (default 120)")
+    return p
+
+
+def check(args, p):
+    if args.min_np < 1:
+        p.error(f"--min-np must be >= 1, got {args.min_np}")
+    if args.max_np is not None and args.max_np < args.min_np:
+        p.error(f"--max-np must be >= --min-np ({args.min_np}), got {args.max_np}")
+    if args.initial_np is not None and not args.min_np <= args.initial_np <= (
+            args.max_np or args.initial_np):
+        p.error(f"--initial-np must be within [--min-np, --max-np], got {args.initial_np}")
+    if args.slots < 1:
+        p.error(f"--slots must be >= 1, got {args.slots}")
+    if not 0 <= args.ssh_port <= 65535:
+        p.error(f"--ssh-port must be in [0, 65535], got {args.ssh_port}")
+    if args.probe_timeout <= 0:
+        p.error(f"--probe-timeout must be > 0, got {args.probe_timeout}")
+    try:
+        DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    check(args, p)
+    hosts = discover(args)
+    sys.stdout.write("".join(f"{host}:{slots}\n" for host, slots in hosts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Warm standby workers: a new worker boots while the job trains, and joins in a moment.
+
+Horovod's elastic driver starts a new worker only once every survivor waits
+in the reset's rendezvous, so the survivors wait for its whole start-up (a
+container, ``import torch``, the script up to ``init()``): seconds, 8-40 on
+a cluster. A standby does that start-up before the host is offered:
+
+1. ``hvd-adapt-worker --standby --standby-dir DIR -- python train.py ...``
+   on the new host (its pod's command, or started by hand) runs the script,
+   which boots as usual and blocks in :func:`hvd_adapt.init` (see
+   :func:`wait_for_handover`); then the standby writes ``DIR/<host>/<pid>.json``
+   and keeps its modification time fresh (a heartbeat) while it waits.
+2. ``hvd-adapt-discover --standby-dir DIR`` offers a new host only once it
+   has such a file, so the survivors train on until the worker is ready.
+3. Horovod launches ``hvd-adapt-worker --standby-dir DIR -- python train.py ...``
+   for the slot: this launch stub (standard library only, milliseconds to
+   start) claims the standby (an atomic rename of its file), passes it the
+   slot's environment, working directory and standard streams over a Unix
+   socket, forwards signals to it and exits with its exit code. Where no
+   standby is ready it runs the command itself (a cold start).
+
+The standby's supervisor, not the script, holds the socket: it sees the
+script's exit status, and when the stub dies (Horovod's SIGKILL five
+seconds after a SIGTERM) it kills the script in turn, so no worker outlives
+its slot. The supervisor serves one slot; start another for the next join.
+"""
+import argparse
+import glob
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("hvd_adapt")
+
+ENV_FD = "HVD_ADAPT_STANDBY_FD"
+HEARTBEAT_SECONDS = 1.0
+# A ready file this much older than its heartbeat is a dead standby's.
+FRESH_SECONDS = 5.0
+# Seconds a claimed standby waits for its stub to connect before it offers itself again.
+CLAIM_SECONDS = 10.0
+# After the stub is gone, the script has this long to end on the SIGTERM (as horovodrun gives).
+KILL_AFTER_SECONDS = 5.0
+_HEADER = struct.Struct("!Q")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+# -- messages: a length header carrying the file descriptors, then JSON ----------------------
+def _send(sock, message, fds=()):
+    data = json.dumps(message).encode()
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+    else:
+        sock.sendall(header)
+    sock.sendall(data)
+
+
+def _recv_exactly(sock, n):
+    chunks = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise EOFError("the other end closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock, max_fds=0):
+    fds = []
+    if max_fds:
+        header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
+        if not header:
+            raise EOFError("the other end closed the connection")
+        header += _recv_exactly(sock, _HEADER.size - len(header))
+    else:
+        header = _recv_exactly(sock, _HEADER.size)
+    (length,) = _HEADER.unpack(header)
+    return json.loads(_recv_exactly(sock, length)), fds
+
+
+def _exit_code(returncode):
+    # A script killed by signal N exits as a shell reports it: 128 + N.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# -- the script's side ----------------------------------------------------------------------
+def wait_for_handover():
+    """In a standby (``HVD_ADAPT_STANDBY_FD`` set by its supervisor): report ready, wait until
+    a launch hands over its slot, then take on its environment, working directory and
+    standard streams. Elsewhere: return at once. :func:`hvd_adapt.init` calls it first."""
+    fd = os.environ.pop(ENV_FD, None)
+    if fd is None:
+        return
+    with socket.socket(fileno=int(fd)) as sock:
+        _send(sock, {"ready": True})
+        log.info("standby: booted, waiting for a slot")
+        message, fds = _recv(sock, max_fds=3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, received in zip((0, 1, 2), fds):
+        os.dup2(received, target)
+        os.close(received)
+    os.chdir(message["cwd"])
+    os.environ.clear()
+    os.environ.update(message["env"])
+
+
+# -- ready files ----------------------------------------------------------------------------
+def ready_files(folder, host):
+    """The ready files of ``host``'s standbys under ``folder`` whose heartbeat is fresh."""
+    now = time.time()
+    fresh = []
+    for path in glob.glob(os.path.join(folder, glob.escape(host), "*.json")):
+        try:
+            if now - os.stat(path).st_mtime <= FRESH_SECONDS:
+                fresh.append(path)
+        except FileNotFoundError:
+            pass
+    return sorted(fresh)
+
+
+def ready_count(folder, host):
+    """How many standbys wait ready on ``host``."""
+    return len(ready_files(folder, host))
+
+
+# -- the supervisor (``--standby``) ---------------------------------------------------------
+class Supervisor:
+    """Runs ``command`` as a standby for ``host``, publishes it under ``folder`` once it is
+    ready, hands it the first slot that claims it and reports its exit status."""
+
+    def __init__(self, command, folder, host):
+        self.command = list(command)
+        self.folder = os.path.join(folder, host)
+        self.host = host
+        self.child = None
+        self.serving = False
+        self.signalled = False
+        self.ready_path = os.path.join(self.folder, f"{os.getpid()}.json")
+        self.claimed_path = os.path.join(self.folder, f"{os.getpid()}.claimed")
+
+    def run(self):
+        """Returns the exit code to leave with."""
+        os.makedirs(self.folder, exist_ok=True)
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, **{ENV_FD: str(theirs.fileno())})
+        self.child = subprocess.Popen(self.command, env=env, pass_fds=[theirs.fileno()])
+        theirs.close()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._stop_waiting)
+        try:
+            _recv(ours)
+        except (EOFError, OSError, ValueError):
+            code = _exit_code(self.child.wait())
+            log.error("standby: %s ended (exit code %d) before it reached hvd_adapt.init(); "
+                      "a standby's script must call hvd_adapt.init()",
+                      " ".join(self.command), code)
+            return code or 1
+        with tempfile.TemporaryDirectory(prefix="hvd_adapt-standby-") as private:
+            address = os.path.join(private, "socket")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+                server.bind(address)
+                server.listen(4)
+                server.settimeout(HEARTBEAT_SECONDS)
+                self._publish(address)
+                connection = self._accept(server)
+            if connection is None:
+                return _exit_code(self.child.wait())
+            with connection:
+                return self._serve(connection, ours)
+
+    def _stop_waiting(self, signum, frame):
+        # The script gets the signal too; before it serves a slot the standby is done,
+        # while it serves one it waits for the script's exit status as usual.
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+            self.signalled = True
+        if not self.serving:
+            self._remove_files()
+            raise SystemExit(128 + signum)
+
+    def _publish(self, address):
+        info = {"socket": address, "pid": os.getpid(), "host": self.host,
+                "command": self.command, "ready_at": time.time()}
+        tmp = self.ready_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, self.ready_path)
+        log.info("standby: ready for a slot on %s (%s)", self.host, self.ready_path)
+
+    def _accept(self, server):
+        claimed_since = None
+        while True:
+            if self.child.poll() is not None:
+                self._remove_files()
+                log.error("standby: the script ended (exit code %d) while waiting for a slot",
+                          _exit_code(self.child.returncode))
+                return None
+            try:
+                connection, _ = server.accept()
+                self._remove_files()
+                return connection
+            except socket.timeout:
+                pass
+            try:
+                os.utime(self.ready_path)
+                claimed_since = None
+            except FileNotFoundError:
+                # Claimed: a stub connects next, unless it died in between.
+                claimed_since = claimed_since or time.monotonic()
+                if time.monotonic() - claimed_since > CLAIM_SECONDS and \
+                        os.path.exists(self.claimed_path):
+                    os.replace(self.claimed_path, self.ready_path)
+
+    def _remove_files(self):
+        for path in (self.ready_path, self.claimed_path):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    def _serve(self, connection, child_socket):
+        connection.settimeout(None)
+        message, fds = _recv(connection, max_fds=3)
+        self.serving = True
+        _send(child_socket, message, fds)
+        for fd in fds:
+            os.close(fd)
+        child_socket.close()
+        log.info("standby: slot handed over (rank %s)", message["env"].get("HOROVOD_RANK"))
+        threading.Thread(target=self._relay_signals, args=(connection,), daemon=True).start()
+        code = _exit_code(self.child.wait())
+        try:
+            _send(connection, {"exit": code})
+        except OSError:
+            pass
+        return code
+
+    def _relay_signals(self, connection):
+        try:
+            while True:
+                message, _ = _recv(connection)
+                if self.child.poll() is None:
+                    self.child.send_signal(message["signal"])
+                    self.signalled = True
+        except (EOFError, OSError, ValueError):
+            pass
+        if self.child.poll() is None:
+            # The stub is gone (killed with its slot): so is the slot. Signalled
+            # before, the script has had its grace period (horovodrun kills the
+            # stub 5 s after its SIGTERM).
+            if self.signalled:
+                self.child.kill()
+                return
+            self.child.terminate()
+            try:
+                self.child.wait(KILL_AFTER_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+
+
+# -- the launch stub (what Horovod starts) --------------------------------------------------
+def hand_over(folder, host, command):
+    """Hand this process's slot to a ready standby of ``host`` running ``command``; returns
+    the standby's exit code once it ends, or None when no standby took the slot."""
+    for path in ready_files(folder, host):
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if info.get("command") != list(command):
+            continue
+        claimed = path[:-len(".json")] + ".claimed"
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            continue            # another stub was first
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(info["socket"])
+            _send(connection, {"env": dict(os.environ), "cwd": os.getcwd()}, (0, 1, 2))
+        except OSError:
+            connection.close()
+            continue
+        return _relay(connection)
+    return None
+
+
+def _relay(connection):
+    def forward(signum, frame):
+        try:
+            _send(connection, {"signal": signum})
+        except OSError:
+            pass
+
+    for signum in _FORWARDED:
+        signal.signal(signum, forward)
+    with connection:
+        try:
+            message, _ = _recv(connection)
+            return int(message["exit"])
+        except (EOFError, OSError, ValueError, KeyError):
+            sys.stderr.write("hvd-adapt-worker: the standby went away without an exit status\n")
+            return 1
+
+
+def main(argv=None):
+    """``hvd-adapt-worker``: run a standby (``--standby``), or launch a slot through one."""
+    parser = argparse.ArgumentParser(
+        prog="hvd-adapt-worker",
+        description="Warm standby workers for horovodrun --elastic (see hvd_adapt.scheduling."
+                    "standby). Put it before the training command in horovodrun's command "
+                    "line; run it with --standby on a host to boot a worker ahead of its join.")
+    parser.add_argument("--standby", action="store_true",
+                        help="boot COMMAND as a standby and wait for a slot")
+    parser.add_argument("--standby-dir", required=True,
+                        help="folder of the ready files (shared with hvd-adapt-discover)")
+    parser.add_argument("--host", default=None,
+                        help="the host name as the discovery lists it (default: "
+                             "$HOROVOD_HOSTNAME, else this machine's name)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the training command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("the training command is missing (give it after --)")
+    host = args.host or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    if args.standby:
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO)
+        return Supervisor(command, args.standby_dir, host).run()
+    code = hand_over(args.standby_dir, host, command)
+    if code is not None:
+        return code
+    sys.stderr.write(f"hvd-adapt-worker: no standby ready on {host}; starting cold\n")
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], command)
+    except OSError as e:
+        sys.stderr.write(f"hvd-adapt-worker: cannot run {command[0]!r}: {e}\n")
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())
