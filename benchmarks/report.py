@@ -169,11 +169,12 @@ def resize_section():
     records = load("resize_latency.json")
     if not records:
         return None
-    pauses = records[0]["data"]["pauses"]
+    data = records[0]["data"]
+    rows = [[mode, p["from"], p["to"], f"{p['seconds']:.2f}"]
+            for mode, pauses in data["modes"].items() for p in pauses]
     parts = ["## Pause per resize: `resize_latency.py`\n", notes("resize_latency"),
-             table(["from", "to", "pause s"], [[p["from"], p["to"], f"{p['seconds']:.2f}"]
-                                               for p in pauses]),
-             provenance(records)]
+             f"Every worker sleeps {data['join_delay_s']:g} s before `init()`.\n",
+             table(["mode", "from", "to", "pause s"], rows), provenance(records)]
     return "\n".join(parts)
 
 

@@ -69,8 +69,11 @@ def test_time_to_accuracy_at_two_processes(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.elastic
 def test_resize_latency():
-    out = bench("resize_latency.py", "--schedule", "1 2", "--samples", "256", timeout=180)
-    assert re.search(r"^ +1 +2 +[0-9.]+", out, re.M) and re.search(r"^max_pause_s=", out, re.M)
+    out = bench("resize_latency.py", "--schedule", "1 2", "--samples", "256", "--join-delay",
+                "2", timeout=300)
+    for mode in ("cold", "warm"):
+        assert re.search(rf"^ *{mode} +1 +2 +[0-9.]+", out, re.M), out
+        assert re.search(rf"^{mode}: max pause on a grow [0-9.]+ s", out, re.M), out
 
 
 def test_digits_are_drawn_afresh_at_every_fetch(monkeypatch):
@@ -105,3 +108,31 @@ def test_a_target_no_fixed_run_reached_has_no_ratio(monkeypatch, capsys):
     assert all(np.isnan(r) for r in ratios[0.86])
     out = capsys.readouterr().out
     assert "worst_adaptive_vs_best_fixed=1.000 final_adaptive_vs_best_fixed=nan" in out
+
+
+def test_cluster_sim_finishes_every_job_under_each_policy():
+    out = bench("cluster_sim.py", "--jobs", "12", "--nodes", "8", "--seeds", "0",
+                "--max-job-hours", "1")
+    rows = re.findall(r"^ +0 +(fixed|greedy|discover) +([0-9.]+) +([0-9.]+) +([0-9.]+)", out, re.M)
+    assert [r[0] for r in rows] == ["fixed", "greedy", "discover"], out
+    assert all(float(r[1]) > 0 and float(r[2]) >= float(r[1]) for r in rows), out
+    assert re.search(r"^discover: average JCT -?\d+% below fixed", out, re.M), out
+
+
+def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch):
+    # Two jobs each asking for the whole cluster: the second starts when the first ends.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import argparse
+    import cluster_sim
+    args = argparse.Namespace(jobs=2, nodes=4, hours=0.001, min_job_hours=1.0,
+                              max_job_hours=1.0, round=60.0, greedy_max=4, seed=0)
+    jobs = cluster_sim.make_trace(args)
+    for job in jobs:
+        job.requested = 4
+    assert cluster_sim.allocate_fixed(jobs, 4, args) == {0: 4, 1: 0}
+    jobs[0].workers = 4
+    assert cluster_sim.allocate_greedy(jobs, 4, args) == {0: 4, 1: 0}
+    jobs[0].workers = 0
+    rule = cluster_sim.DiscoveryRule()
+    fair = cluster_sim.allocate_discover(jobs, 4, args, rule)
+    assert fair[0] >= 1 and fair[1] >= 1 and sum(fair.values()) <= 4

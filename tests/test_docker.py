@@ -33,3 +33,91 @@ def test_gpu_image_builds_horovod_with_nccl_from_a_cuda_devel_base():
     lines = instructions("Dockerfile.gpu")
     assert re.match(r"FROM nvidia/cuda:[0-9.]+-devel-", lines[0])
     assert any("HVD_ADAPT_GPU=1" in l for l in lines)
+
+
+# -- docker/k8s: the MPIJob, checked against the operator's API and Kubernetes' schema -------
+K8S = os.path.join(ROOT, "docker", "k8s")
+
+
+def k8s_documents(name):
+    import yaml
+    with open(os.path.join(K8S, name)) as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc]
+
+
+def mpijob_errors(job):
+    import json
+
+    import jsonschema
+    with open(os.path.join(K8S, "mpijob-v2beta1.schema.json")) as f:
+        schema = json.load(f)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(job)]
+
+
+def pod_template_errors(template):
+    import kubernetes_validate
+    try:
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                      "metadata": {"name": "t"}, "template": template},
+                                     "1.30", strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [str(e).splitlines()[0]]
+    return []
+
+
+def test_the_mpijob_is_valid_for_the_operator_and_its_pods_for_kubernetes():
+    (job,) = k8s_documents("mpijob.yaml")
+    assert mpijob_errors(job) == []
+    for role in ("Launcher", "Worker"):
+        assert pod_template_errors(job["spec"]["mpiReplicaSpecs"][role]["template"]) == []
+    import kubernetes_validate
+    for doc in k8s_documents("shared-volume.yaml"):
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_the_validators_refuse_a_broken_mpijob():
+    import copy
+    (job,) = k8s_documents("mpijob.yaml")
+    bad = copy.deepcopy(job)
+    bad["spec"]["runPolicy"]["cleanPodPolicy"] = "Sometimes"
+    bad["spec"]["slotPerWorker"] = 1
+    errors = mpijob_errors(bad)
+    assert any("Sometimes" in e for e in errors) and any("slotPerWorker" in e for e in errors)
+    worker = copy.deepcopy(job["spec"]["mpiReplicaSpecs"]["Worker"]["template"])
+    worker["spec"]["containers"][0]["readinessProbe"]["tcpSocket"]["prot"] = 22
+    assert pod_template_errors(worker)
+
+
+def test_the_mpijob_runs_the_example_through_discovery_standbys_and_a_drain():
+    import shlex
+    (job,) = k8s_documents("mpijob.yaml")
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]
+    args = launcher["containers"][0]["args"]
+    assert launcher["containers"][0]["command"] == ["horovodrun"]
+    for flag in ("--min-np", "--max-np", "--slots", "--blacklist-cooldown-range"):
+        assert flag in args, flag
+    discovery = shlex.split(args[args.index("--host-discovery-script") + 1])
+    assert discovery[:3] == ["hvd-adapt-discover", "--command", "/etc/mpi/discover_hosts.sh"]
+    assert discovery[discovery.index("--max-np") + 1] == args[args.index("--max-np") + 1]
+    # The launch stub hands a slot to a standby only when their commands are the same.
+    stub = args[args.index("hvd-adapt-worker"):]
+    launched = stub[stub.index("--") + 1:]
+    assert launched[:2] == ["python", "examples/digits/train.py"]
+    script = shlex.split(worker["containers"][0]["args"][0].replace("\\\n", " "))
+    standby = script[script.index("--standby"):]
+    assert standby[standby.index("--") + 1:standby.index("sleep")] == launched
+    assert standby[standby.index("--standby-dir") + 1] == stub[stub.index("--standby-dir") + 1] \
+        == discovery[discovery.index("--standby-dir") + 1]
+    # Workers answer ssh before they count, hold a GPU, and outlive the drain.
+    assert worker["containers"][0]["readinessProbe"]["tcpSocket"]["port"] == 22
+    assert "/usr/sbin/sshd" in script
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for pod in (launcher, worker):
+        assert pod["terminationGracePeriodSeconds"] > 5 + 10
+        assert pod["containers"][0]["image"] == "hvd_adapt:gpu"
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["shared"] == "/shared"
+    assert {"name": "HVD_ADAPT_HINTS", "value": "/shared/hints.json"} in \
+        launcher["containers"][0]["env"]

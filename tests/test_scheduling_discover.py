@@ -27,7 +27,8 @@ class Discovery:
         self.hints = str(tmp_path / "hints.json")
         self.tmp_path = tmp_path
         self.set_hosts(hosts)
-        self.extra = list(extra) + (["--hints", self.hints] if hints else [])
+        # No hold after a resize unless a test asks for one.
+        self.extra = ["--hold", "0"] + list(extra) + (["--hints", self.hints] if hints else [])
 
     def set_hosts(self, hosts):
         self.hostfile.write_text("".join(f"{h}\n" for h in hosts))
@@ -123,6 +124,18 @@ def test_in_flight_resize_times_out_after_settle(tmp_path):
     assert len(run(now=now + 40)) == 1
 
 
+def test_no_resize_within_hold_seconds_of_the_last(tmp_path):
+    run = Discovery(tmp_path, ["a", "b", "c"], "--hold", "30", hints=True)
+    now = time.time()
+    run(now=now)
+    run.publish(1, linear_curve(3), timed=[1])
+    assert len(run(now=now + 10)) == 1              # 10 s after the first offer
+    assert len(run(now=now + 31)) == 2
+    run.publish(2, linear_curve(3), timed=[1, 2], written_at=now + 35)
+    assert len(run(now=now + 40)) == 2              # 9 s after the grow
+    assert len(run(now=now + 62)) == 3
+
+
 def test_standby_dir_limits_new_slots_to_ready_standbys(tmp_path):
     ready = tmp_path / "standby"
     run = Discovery(tmp_path, ["a:2", "b:2"], "--standby-dir", str(ready), "--initial-np", "1")
@@ -187,6 +200,7 @@ def test_console_script_prints_host_lines_and_loads_no_torch(tmp_path):
     (["--hostfile", "x", "--efficiency", "2"], r"efficiency must be a number in \[0.0, 1.0\]"),
     (["--hostfile", "x", "--ssh-port", "70000"], r"--ssh-port must be in \[0, 65535\]"),
     (["--hostfile", "x", "--command", "y"], "not allowed with argument"),
+    (["--hostfile", "x", "--hold", "-1"], "--hold must be >= 0, got -1.0"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

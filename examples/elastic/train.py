@@ -5,7 +5,8 @@ slots as the schedule asks for at the epoch the job has reached; at each
 epoch boundary the job holds (committing) until Horovod has resized it, so
 every size of the schedule is seen, and prints the batch size hvd_adapt chose
 for it. ``--step-log`` writes rank 0's step times and the moments resizes
-were signalled, for benchmarks/resize_latency.py.
+were signalled, for benchmarks/resize_latency.py; ``--startup-delay`` makes
+each worker as slow to start as on a cluster.
 """
 import argparse
 import logging
@@ -39,6 +40,9 @@ def main():
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--step-log", default=None)
+    parser.add_argument("--startup-delay", type=float, default=0.0,
+                        help="seconds to sleep before init(), as a worker on a cluster "
+                             "takes to start (container, imports, data)")
     args = parser.parse_args()
     directory = os.environ.get("HVD_ADAPT_DEMO_DIR", "/tmp/hvd_adapt_demo")
     schedule = os.environ.get("HVD_ADAPT_DEMO_SCHEDULE", "1 2 3 2 1").split()
@@ -47,6 +51,7 @@ def main():
     # hvd_adapt logs its batch-size decisions at INFO on rank 0.
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("hvd_adapt").setLevel(logging.INFO)
+    time.sleep(args.startup_delay)
     hvd_adapt.init()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 32, generator=gen)

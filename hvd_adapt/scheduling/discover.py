@@ -22,7 +22,9 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    (:class:`~hvd_adapt.scheduling.rule.DiscoveryRule`); without it, all
    that are ready. The hosts last offered stay as they are while the job
    has not yet published hints from the world they make (a resize in
-   flight), and while the hints are older than ``--stale-after`` seconds;
+   flight), for ``--hold`` seconds after a resize (the new world's first
+   steps are slow), and while the hints are older than ``--stale-after``
+   seconds;
 4. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
    small state file (``--state``), for the next run.
 
@@ -127,6 +129,10 @@ def target_replicas(args, rule, kept, total, state, now):
     in_flight = hints["written_at"] < changed_at or hints["replicas"] != current
     if in_flight and now - changed_at < args.settle:
         return current, "resize in flight"
+    if now - changed_at < args.hold:
+        # A new world's first steps (warm-up, a joiner's first allocations)
+        # are slow: the curve they give would undo the resize at once.
+        return current, f"held for {args.hold:g} s after the last resize"
     limit = min(total, rule.growth_cap(hints["replica_counts_timed"], current))
     best = rule.target(hints["curve"], max(1, args.min_np), limit,
                        hints.get("slots_per_node", 1))
@@ -222,6 +228,9 @@ def parser():
                         "else in the temp folder)")
     p.add_argument("--stale-after", type=float, default=600.0,
                    help="ignore hints older than this many seconds (default 600)")
+    p.add_argument("--hold", type=float, default=30.0,
+                   help="seconds after a resize before the next, while the new world's "
+                        "steps are timed (default 30)")
     p.add_argument("--settle", type=float, default=120.0,
                    help="seconds a resize may take before hints from the old world count "
                         "again (default 120)")
@@ -240,6 +249,9 @@ def check(args, p):
         p.error(f"--slots must be >= 1, got {args.slots}")
     if not 0 <= args.ssh_port <= 65535:
         p.error(f"--ssh-port must be in [0, 65535], got {args.ssh_port}")
+    for name in ("hold", "settle", "stale_after"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.probe_timeout <= 0:
         p.error(f"--probe-timeout must be > 0, got {args.probe_timeout}")
     try:

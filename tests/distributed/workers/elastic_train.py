@@ -65,11 +65,47 @@ class CommitLogHandler(StateHandler):
         pass
 
 
+def tensor_digest(h, tensor):
+    data = tensor.detach().cpu().float()
+    if data.numel() > 1 << 16:
+        # Hashing every byte of a large model each step would dwarf its step
+        # time; its sum and a strided sample tell replicas apart as well.
+        h.update(data.double().sum().numpy().tobytes())
+        data = data.flatten()[::97]
+    h.update(data.numpy().tobytes())
+
+
 def params_digest(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
+        tensor_digest(h, p)
     return h.hexdigest()
+
+
+class Tokens(torch.nn.Module):
+    """Compute-bound: each sample as 512 tokens through 8 layers of width 256 (0.5M
+    parameters, ~1.6 GFLOP a sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 256)
+        self.body = torch.nn.Sequential(*[m for _ in range(8)
+                                          for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
+        self.head = torch.nn.Linear(256, 1)
+
+    def forward(self, x):
+        tokens = x.unsqueeze(1) * torch.linspace(0.5, 1.5, 512, device=x.device).view(1, 512, 1)
+        return self.head(self.body(self.embed(tokens))).mean(dim=1)
+
+
+def build_model(kind):
+    if kind == "deep":
+        return Tokens()
+    if kind == "wide":
+        # Communication-bound: 8.4M parameters and almost no compute per sample.
+        return torch.nn.Sequential(torch.nn.Linear(4, 2048), torch.nn.Linear(2048, 4096),
+                                   torch.nn.Linear(4096, 1))
+    return torch.nn.Linear(4, 1)
 
 
 def optimizer_digest(opt):
@@ -79,9 +115,11 @@ def optimizer_digest(opt):
     for index, entry in sorted(opt.state_dict()["state"].items()):
         for key in sorted(entry):
             value = entry[key]
-            data = value.detach().cpu().float().numpy().tobytes() if torch.is_tensor(value) \
-                else repr(value).encode()
-            h.update(f"{index}.{key}".encode() + data)
+            h.update(f"{index}.{key}".encode())
+            if torch.is_tensor(value):
+                tensor_digest(h, value)
+            else:
+                h.update(repr(value).encode())
     return h.hexdigest()
 
 
@@ -100,6 +138,9 @@ def write_progress(step):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=60)
+    parser.add_argument("--model", choices=("linear", "deep", "wide"), default="linear",
+                        help="deep: compute-bound; wide: communication-bound")
+    parser.add_argument("--decide-every", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--wait-steps", type=json.loads, default=[])
@@ -152,16 +193,17 @@ def main():
                              "after the other batches (the digits example's pattern)")
     args = parser.parse_args()
 
-    host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
     if args.slow_join and os.path.exists(out_path("committed")):
         time.sleep(args.slow_join)
     hvd_adapt.register_handler(CommitLog, CommitLogHandler)
     threads_before = torch.get_num_threads()
     hvd_adapt.init()
+    # After init(): a standby worker gets its slot's environment there.
+    host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
     torch.manual_seed(0)
     # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
     device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
-    model = torch.nn.Linear(4, 1).to(device)
+    model = build_model(args.model).to(device)
     # Weight decay with momentum or AdamW: a sync that stepped the optimizer (as
     # Horovod's broadcast_optimizer_state does) would show as replicas that differ.
     if args.adamw:
@@ -177,7 +219,8 @@ def main():
     if args.autoscale:
         loader.autoscale_batch_size(4 * args.batch_size,
                                     local_bsz_bounds=(2, args.max_local_bsz or 2 * args.batch_size),
-                                    gradient_accumulation=True, decide_every=2)
+                                    gradient_accumulation=True,
+                                    decide_every=args.decide_every)
     stats = hvd_adapt.Accumulator()
     log = CommitLog(out_path(f"commits.{os.getpid()}.jsonl"))
     values = dict(model=model, optimizer=opt, loader=loader, stats=stats, log=log, step=0,
