@@ -178,13 +178,7 @@ class State(TorchState):
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
                                self._host_updates())
         if votes.checkpoint_failed:
-            error = None
-            if env.rank() == 0:
-                try:
-                    self._checkpoint_writer.wait()
-                except checkpoint.CheckpointError as e:
-                    error = e
-            agreement.fail_together(error, "hvd_adapt.commit.checkpoint_failed")
+            self._fail_together_on_a_checkpoint_error("hvd_adapt.commit.checkpoint_failed")
         if votes.drain:
             (self._drain or Drain()).stop(self)
         if votes.hosts_updated and raise_host_updates:
@@ -424,13 +418,17 @@ class State(TorchState):
     def settle_checkpoint(self):
         """Collective: wait for rank 0's background checkpoint write; if it failed, raise
         :class:`hvd_adapt.CheckpointError` with its cause on every rank."""
+        self._fail_together_on_a_checkpoint_error("hvd_adapt.checkpoint_written")
+
+    def _fail_together_on_a_checkpoint_error(self, collective_name):
+        # Only rank 0 writes, so only it knows the error; every rank raises it.
         error = None
         if env.rank() == 0:
             try:
                 self._checkpoint_writer.wait()
             except checkpoint.CheckpointError as e:
                 error = e
-        agreement.fail_together(error, "hvd_adapt.checkpoint_written")
+        agreement.fail_together(error, collective_name)
 
     def load_checkpoint(self, path, trusted=False):
         """Collective: resume from the newest checkpoint at ``path`` any rank can read, or sync
