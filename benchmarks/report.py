@@ -178,6 +178,29 @@ def resize_section():
     return "\n".join(parts)
 
 
+def cluster_section():
+    records = load("cluster_sim.json")
+    if not records:
+        return None
+    data = records[0]["data"]
+    rows = [[r["seed"], r["policy"], f"{r['avg_jct_h']:.2f}", f"{r['p99_jct_h']:.2f}",
+             f"{r['node_hours']:.0f}", f"{r['makespan_h']:.2f}"] for r in data["rows"]]
+    means = {}
+    for r in data["rows"]:
+        means.setdefault(r["policy"], []).append(r["avg_jct_h"])
+    mean = {policy: statistics.mean(v) for policy, v in means.items()}
+    summary = (f"Average JCT over the traces: fixed {mean['fixed']:.2f} h, greedy "
+               f"{mean['greedy']:.2f} h, discover {mean['discover']:.2f} h: discover "
+               f"{100 * (1 - mean['discover'] / mean['fixed']):.0f}% below fixed (goal >= 30%) "
+               f"and {mean['discover'] / mean['greedy']:.2f} x greedy's (goal < 1).\n")
+    pauses = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in data["pauses"].items())
+    return "\n".join(["## A simulated cluster: `cluster_sim.py`\n", notes("cluster_sim"),
+                      f"{data['jobs']} jobs on {data['nodes']} nodes, rounds of "
+                      f"{data['round_s']:g} s; resize pauses: {pauses}.\n",
+                      table(["trace seed", "policy", "average JCT h", "p99 JCT h", "node-hours",
+                             "makespan h"], rows), summary, provenance(records)])
+
+
 def time_to_accuracy_section():
     records = load("time_to_accuracy/*.json")
     if not records:
@@ -235,8 +258,8 @@ def gpu_section():
         f"(NCCL {data['nccl']}).\n"])
 
 
-SECTIONS = [overhead_section, swap_section, soak_section, resize_section,
-            time_to_accuracy_section, goodput_section, gpu_section]
+SECTIONS = [overhead_section, time_to_accuracy_section, swap_section, soak_section,
+            resize_section, cluster_section, goodput_section, gpu_section]
 
 
 def render():

@@ -136,3 +136,11 @@ def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch):
     rule = cluster_sim.DiscoveryRule()
     fair = cluster_sim.allocate_discover(jobs, 4, args, rule)
     assert fair[0] >= 1 and fair[1] >= 1 and sum(fair.values()) <= 4
+
+
+def test_results_md_is_what_the_recorded_json_gives():
+    # benchmarks/RESULTS.md is rendered from benchmarks/results/: a table edited by hand,
+    # or JSON recorded without rendering again, fails here.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"),
+                           "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
