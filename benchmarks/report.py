@@ -159,7 +159,7 @@ def soak_section():
                      (", " + ", ".join(checks) if checks else ""), detail, "0",
                      f"{d['seconds']:.0f}"])
     parts = ["## Elastic soaks: `tests/distributed/soak.py`\n", notes("soak"),
-             table(["kind", "events", "events run", "resets", "epochs", "checked, all passed",
+             table(["kind", "what", "events", "resets", "epochs", "checked, all passed",
                     "timing", "hangs", "seconds"], rows),
              provenance(list(records.values()))]
     return "\n".join(parts)
@@ -176,6 +176,21 @@ def resize_section():
              f"Every worker sleeps {data['join_delay_s']:g} s before `init()`.\n",
              table(["mode", "from", "to", "pause s"], rows), provenance(records)]
     return "\n".join(parts)
+
+
+def discover_section():
+    records = load("discover_latency.json")
+    if not records:
+        return None
+    runs = sorted(records[0]["data"]["runs_ms"])
+    p90 = runs[min(len(runs) - 1, int(0.9 * len(runs)))]
+    return "\n".join(["## One run of `hvd-adapt-discover`: `discover_latency.py`\n",
+                      notes("discover_latency"),
+                      table(["hosts", "runs", "median ms", "p90 ms", "max ms", "goal"],
+                            [[records[0]["data"]["hosts"], len(runs),
+                              f"{statistics.median(runs):.1f}", f"{p90:.1f}",
+                              f"{runs[-1]:.1f}", "<= 50 ms"]]),
+                      provenance(records)])
 
 
 def cluster_section():
@@ -213,7 +228,8 @@ def time_to_accuracy_section():
         data = record["data"]
         workload = time_to_accuracy.resolve({"workload": data["workload"],
                                              "overrides": data.get("overrides", {})})
-        names = list(data["runs"])
+        # Fixed batches smallest first, the adaptive run last.
+        names = sorted(data["runs"], key=lambda n: (n == "adaptive", len(n), n))
         rows = []
         for target, times, ratios in time_to_accuracy.rows(workload, data["runs"]):
             cells = [f"{np.median(times[n]):.1f} [{min(times[n]):.1f}-{max(times[n]):.1f}]"
@@ -259,7 +275,7 @@ def gpu_section():
 
 
 SECTIONS = [overhead_section, time_to_accuracy_section, swap_section, soak_section,
-            resize_section, cluster_section, goodput_section, gpu_section]
+            resize_section, discover_section, cluster_section, goodput_section, gpu_section]
 
 
 def render():

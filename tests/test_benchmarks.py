@@ -110,6 +110,11 @@ def test_a_target_no_fixed_run_reached_has_no_ratio(monkeypatch, capsys):
     assert "worst_adaptive_vs_best_fixed=1.000 final_adaptive_vs_best_fixed=nan" in out
 
 
+def test_discover_latency():
+    out = bench("discover_latency.py", "--runs", "3", "--hosts", "8")
+    assert re.search(r"^3 runs over 8 hosts: median [0-9.]+ ms", out, re.M), out
+
+
 def test_cluster_sim_finishes_every_job_under_each_policy():
     out = bench("cluster_sim.py", "--jobs", "12", "--nodes", "8", "--seeds", "0",
                 "--max-job-hours", "1")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hvd_adapt.scheduling import standby
+from hvd_adapt.scheduling import ready, standby
 
 WORKER = [sys.executable, "-m", "hvd_adapt.scheduling.standby"]
 
@@ -55,7 +55,7 @@ def setup(tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         supervisors.append(proc)
         deadline = time.time() + 60
-        while standby.ready_count(str(tmp_path / "ready"), host) == 0:
+        while ready.ready_count(str(tmp_path / "ready"), host) == 0:
             assert proc.poll() is None, proc.communicate()
             assert time.time() < deadline, "the standby never became ready"
             time.sleep(0.05)
@@ -98,7 +98,7 @@ def test_without_a_ready_standby_the_stub_starts_cold(setup):
     out, err = stub.communicate(timeout=60)
     assert stub.returncode == 3
     assert out.startswith("FOO=cold") and "no standby ready on h1; starting cold" in err
-    assert standby.ready_count(str(tmp_path / "ready"), "other") == 1
+    assert ready.ready_count(str(tmp_path / "ready"), "other") == 1
 
 
 def test_a_standby_of_another_command_is_not_taken(setup):
@@ -107,7 +107,7 @@ def test_a_standby_of_another_command_is_not_taken(setup):
     stub = launch()
     _, err = stub.communicate(timeout=60)
     assert "starting cold" in err
-    assert standby.ready_count(str(tmp_path / "ready"), "h1") == 1
+    assert ready.ready_count(str(tmp_path / "ready"), "h1") == 1
 
 
 def test_sigterm_to_the_stub_reaches_the_script(setup):
@@ -167,9 +167,9 @@ def test_ready_files_expire_without_heartbeat(tmp_path):
     (folder / "2.claimed").write_text(json.dumps({}))
     old = tmp_path / "h" / "3.json"
     old.write_text("{}")
-    os.utime(old, (time.time() - 2 * standby.FRESH_SECONDS,) * 2)
-    assert standby.ready_count(str(tmp_path), "h") == 1
-    assert standby.ready_count(str(tmp_path), "absent") == 0
+    os.utime(old, (time.time() - 2 * ready.FRESH_SECONDS,) * 2)
+    assert ready.ready_count(str(tmp_path), "h") == 1
+    assert ready.ready_count(str(tmp_path), "absent") == 0
 
 
 def test_missing_command_is_an_error(capsys):

@@ -40,13 +40,11 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 
 from .hints import HintsError, read_hints
-from .probe import reachable
 from .rule import DiscoveryRule, assign
-from .standby import ready_count
+from .ready import ready_count
 
 _LINE = re.compile(r"^\s*([^\s:#]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?\s*$")
 
@@ -97,6 +95,7 @@ def candidates(base, previous, args):
     spare = [(host, capacity[host] - slots) for host, slots in kept if capacity[host] > slots]
     new = [host for host, _ in base if host not in previous and capacity[host] > 0]
     if new and args.ssh_port:
+        from .probe import reachable      # sockets only when a new host needs probing
         answering = reachable(new, args.ssh_port, args.probe_timeout)
         new = [host for host in new if host in answering]
     return kept, spare + [(host, capacity[host]) for host in new]
@@ -146,6 +145,7 @@ def target_replicas(args, rule, kept, total, state, now):
 def default_state_path(args):
     if args.hints:
         return args.hints + ".discover.json"
+    import tempfile
     key = hashlib.sha1(repr((args.hostfile, args.command)).encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), f"hvd-adapt-discover-{os.getuid()}-{key}.json")
 

@@ -35,7 +35,6 @@ goodput over that of one replica.
 """
 import json
 import os
-import tempfile
 import time
 
 FORMAT_VERSION = 1
@@ -59,6 +58,7 @@ def make_hints(replicas, slots_per_node, replica_counts_timed, init_batch_size, 
 
 def write_hints(path, hints):
     """Replace ``path`` with ``hints`` atomically: a reader sees the old file or the new one."""
+    import tempfile      # a writer's need: hvd-adapt-discover only reads, every second
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".hints-", dir=folder)

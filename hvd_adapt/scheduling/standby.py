@@ -25,7 +25,6 @@ seconds after a SIGTERM) it kills the script in turn, so no worker outlives
 its slot. The supervisor serves one slot; start another for the next join.
 """
 import argparse
-import glob
 import importlib
 import json
 import logging
@@ -39,12 +38,12 @@ import tempfile
 import threading
 import time
 
+from .ready import ready_files
+
 log = logging.getLogger("hvd_adapt")
 
 ENV_FD = "HVD_ADAPT_STANDBY_FD"
 HEARTBEAT_SECONDS = 1.0
-# A ready file this much older than its heartbeat is a dead standby's.
-FRESH_SECONDS = 5.0
 # Seconds a claimed standby waits for its stub to connect before it offers itself again.
 CLAIM_SECONDS = 10.0
 # After the stub is gone, the script has this long to end on the SIGTERM (as horovodrun gives).
@@ -129,25 +128,6 @@ def wait_for_handover():
     os.chdir(message["cwd"])
     os.environ.clear()
     os.environ.update(message["env"])
-
-
-# -- ready files ----------------------------------------------------------------------------
-def ready_files(folder, host):
-    """The ready files of ``host``'s standbys under ``folder`` whose heartbeat is fresh."""
-    now = time.time()
-    fresh = []
-    for path in glob.glob(os.path.join(folder, glob.escape(host), "*.json")):
-        try:
-            if now - os.stat(path).st_mtime <= FRESH_SECONDS:
-                fresh.append(path)
-        except FileNotFoundError:
-            pass
-    return sorted(fresh)
-
-
-def ready_count(folder, host):
-    """How many standbys wait ready on ``host``."""
-    return len(ready_files(folder, host))
 
 
 # -- the supervisor (``--standby``) ---------------------------------------------------------

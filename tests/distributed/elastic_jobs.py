@@ -50,14 +50,16 @@ def worker_command(worker_args):
 
 
 def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180, env=None,
-                launcher_args=(), out_dir=None, discovery=None, launch_prefix=()):
+                launcher_args=(), out_dir=None, discovery=None, launch_prefix=(),
+                launcher=FAST_HOROVODRUN):
     """Run workers/elastic_train.py under elastic horovodrun with hosts from ``schedule``;
     returns the job, every rank's commits and rank 0's epoch totals. ``discovery(script)``
     turns the schedule's discovery script into the one horovodrun runs (a wrapper);
-    ``launch_prefix`` goes before the training command (a launch stub)."""
+    ``launch_prefix`` goes before the training command (a launch stub); ``launcher``:
+    horovodrun polling discovery every 0.2 s (default) or the real one."""
     out_dir = out_dir or tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
     script = discovery_script(out_dir, schedule)
-    command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
+    command = [sys.executable, launcher, "-np", str(np), "--min-np", str(min_np),
                "--max-np", str(max_np), "--network-interface", "lo",
                "--host-discovery-script", discovery(script) if discovery else script,
                *[str(a) for a in launcher_args], *launch_prefix, *worker_command(worker_args)]

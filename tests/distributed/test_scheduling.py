@@ -145,13 +145,20 @@ def goodput_job(tmp_path, model, until_step):
     hints = str(tmp_path / "hints.json")
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"localhost:1\n127.0.0.1:1\n{socket.gethostname()}:1\n")
+    # The three "hosts" share this machine's two cores, with the launcher and
+    # Horovod's threads: a second worker brings at most about 0.5 of one here
+    # (a second machine would bring nearly 1), hence the lower efficiency.
     discovery = (f"{DISCOVER} --hostfile {hostfile} --hints {hints} --ssh-port 0 "
-                 f"--min-np 1 --max-np 3 --initial-np 1 --hold 8")
+                 f"--min-np 1 --max-np 3 --initial-np 1 --hold 8 --efficiency 0.25")
     job, commits, epochs = run_elastic(
         [(0, ["localhost:1"])], np=1, min_np=1, max_np=3, timeout=400, out_dir=out_dir,
         discovery=lambda script: discovery, env={"HVD_ADAPT_HINTS": hints},
         worker_args=["--model", model, "--autoscale", "--decide-every", 4, "--adamw",
-                     "--epochs", 10 ** 6, "--until-step", until_step])
+                     "--epochs", 10 ** 6, "--until-step", until_step],
+        # Polled every second, as in production: the wrapper's interpreter
+        # start every 0.2 s would take a share of the two cores the workers
+        # are timed on.
+        launcher=os.path.join(BIN, "horovodrun"))
     job.check()
     check_exactly_once(commits, epochs, len({e["epoch"] for e in epochs}))
     check_identical_replicas(commits)
@@ -169,6 +176,6 @@ def test_a_compute_bound_job_is_offered_more_workers(tmp_path):
 def test_a_communication_bound_job_stays_small(tmp_path):
     job, commits, sizes = goodput_job(tmp_path, "wide", until_step=600)
     print(sizes, [line for line in job.output.splitlines() if "hvd-adapt-discover" in line])
-    # One world of two replicas measures what communication costs; after it
-    # the curve says a second worker does not pay.
+    # The curve may send it to two workers once, to time what communication
+    # costs; after that (or at once) it says a second worker does not pay.
     assert max(sizes) <= 2 and sizes[-1] == 1, sizes
