@@ -8,9 +8,10 @@
 - :mod:`.discover`: ``hvd-adapt-discover``, the host-discovery script that
   wraps any base discovery with the rule;
 - :mod:`.standby`: ``hvd-adapt-worker``, warm standby workers that boot while
-  the job trains and are handed the slot Horovod launches.
+  the job trains and are handed the slot Horovod launches;
+- :mod:`.ready`: the standbys' ready files, which the discovery counts.
 
 Everything here imports the standard library only (no torch, numpy or
-Horovod): Horovod runs the discovery script every second, and each run must
+Horovod; a standby imports the library while it boots): Horovod runs the discovery script every second, and each run must
 answer in milliseconds.
 """
