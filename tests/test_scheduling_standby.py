@@ -28,6 +28,9 @@ SCRIPT = textwrap.dedent("""
         print("FOO=" + os.environ.get("FOO", "") + " cwd=" + os.getcwd(), flush=True)
         print("to stderr", file=sys.stderr, flush=True)
         sys.exit(3)
+    if mode == "modules":
+        print(" ".join(f"{name}={name in sys.modules}"
+                       for name in ("torch._dynamo", "hvd_adapt.optim.distributed")), flush=True)
     if mode == "term":
         def on_term(signum, frame):
             print("drained", flush=True)
@@ -89,6 +92,14 @@ def test_handover_passes_environment_cwd_streams_and_exit_code(setup):
     assert int((tmp_path / "pid").read_text()) != stub.pid
     assert supervisor.wait(timeout=30) == 3
     assert glob.glob(str(tmp_path / "ready" / "h1" / "*")) == []
+
+
+def test_the_standby_has_imported_what_a_script_needs_after_init(setup):
+    # The survivors wait while a joiner imports these: a standby does it before its slot.
+    tmp_path, start_standby, launch = setup
+    start_standby()
+    out, _ = launch(env={"MODE": "modules"}).communicate(timeout=60)
+    assert out.split() == ["torch._dynamo=True", "hvd_adapt.optim.distributed=True"], out
 
 
 def test_without_a_ready_standby_the_stub_starts_cold(setup):

@@ -25,7 +25,6 @@ seconds after a SIGTERM) it kills the script in turn, so no worker outlives
 its slot. The supervisor serves one slot; start another for the next join.
 """
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -96,16 +95,14 @@ def _exit_code(returncode):
 # What a training script imports after init() in nearly every job is imported
 # while the standby waits, so that it does not count in the survivors' pause:
 # every public name of the library (each loads its module on first use), and
-# torch._dynamo, which torch.optim imports at the first optimizer's
-# construction (more than a second on this machine).
+# what torch.optim imports at the first optimizer's construction (its compiler
+# stack, more than a second on this machine): a throwaway optimizer loads it.
 def _preload():
     import hvd_adapt
+    import torch
     for name in hvd_adapt.__all__:
         getattr(hvd_adapt, name)
-    try:
-        importlib.import_module("torch._dynamo")
-    except ImportError as e:
-        log.debug("standby: cannot preload torch._dynamo: %s", e)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def wait_for_handover():
@@ -311,26 +308,32 @@ def _relay(connection):
             return 1
 
 
-def main(argv=None):
-    """``hvd-adapt-worker``: run a standby (``--standby``), or launch a slot through one."""
-    parser = argparse.ArgumentParser(
+def parser():
+    """``hvd-adapt-worker``'s command line."""
+    p = argparse.ArgumentParser(
         prog="hvd-adapt-worker",
         description="Warm standby workers for horovodrun --elastic (see hvd_adapt.scheduling."
                     "standby). Put it before the training command in horovodrun's command "
                     "line; run it with --standby on a host to boot a worker ahead of its join.")
-    parser.add_argument("--standby", action="store_true",
-                        help="boot COMMAND as a standby and wait for a slot")
-    parser.add_argument("--standby-dir", required=True,
-                        help="folder of the ready files (shared with hvd-adapt-discover)")
-    parser.add_argument("--host", default=None,
-                        help="the host name as the discovery lists it (default: "
-                             "$HOROVOD_HOSTNAME, else this machine's name)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the training command, after --")
-    args = parser.parse_args(argv)
+    p.add_argument("--standby", action="store_true",
+                   help="boot COMMAND as a standby and wait for a slot")
+    p.add_argument("--standby-dir", required=True,
+                   help="folder of the ready files (shared with hvd-adapt-discover)")
+    p.add_argument("--host", default=None,
+                   help="the host name as the discovery lists it (default: "
+                        "$HOROVOD_HOSTNAME, else this machine's name)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the training command, after --")
+    return p
+
+
+def main(argv=None):
+    """``hvd-adapt-worker``: run a standby (``--standby``), or launch a slot through one."""
+    p = parser()
+    args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("the training command is missing (give it after --)")
+        p.error("the training command is missing (give it after --)")
     host = args.host or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
     if args.standby:
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO)
