@@ -35,12 +35,12 @@ to standard error, which horovodrun shows. Standard library only: a run
 takes milliseconds (``benchmarks/RESULTS.md``), the base command's time aside.
 """
 import argparse
-import hashlib
 import json
 import os
 import re
 import sys
 import time
+import zlib
 
 from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
@@ -146,7 +146,7 @@ def default_state_path(args):
     if args.hints:
         return args.hints + ".discover.json"
     import tempfile
-    key = hashlib.sha1(repr((args.hostfile, args.command)).encode()).hexdigest()[:12]
+    key = f"{zlib.crc32(repr((args.hostfile, args.command)).encode()):08x}"
     return os.path.join(tempfile.gettempdir(), f"hvd-adapt-discover-{os.getuid()}-{key}.json")
 
 
