@@ -185,7 +185,8 @@ def main(argv=None):
     epochs_run = train(state)
     if rank == 0:
         print(f"final validation accuracy {state.best_accuracy:.4f} (best over {epochs_run} epochs, "
-              f"{hvd_adapt.env.size()} replicas)", flush=True)
+              f"{hvd_adapt.env.size()} replica{'s' if hvd_adapt.env.size() > 1 else ''})",
+              flush=True)
     if writer is not None:
         writer.close()
     return state.best_accuracy, epochs_run
