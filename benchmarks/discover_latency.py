@@ -94,5 +94,6 @@ def regular_install(folder):
     return [python, "-c", "import sys; from hvd_adapt.scheduling.discover import main; "
                           "sys.exit(main())"]
 
+
 if __name__ == "__main__":
     main()
