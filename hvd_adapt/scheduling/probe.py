@@ -3,53 +3,50 @@
 A Kubernetes pod that is "Running" may not run sshd yet, and Horovod's
 driver launches a worker on a host the moment discovery lists it: a failed
 ssh there blacklists the host. So a new host is offered only once its port
-answers. Connections start together, non-blocking, and whatever has not
-answered by the deadline counts as not ready: the discovery script's whole
-run stays within its budget however many hosts are down.
+answers. Every host is probed at once, each on a daemon thread of its own
+(name resolution, then the connection), and whatever has not answered by
+the deadline counts as not ready: the discovery script's whole run stays
+within its budget however many hosts are down. Threads, not non-blocking
+sockets alone: ``getaddrinfo`` blocks and cannot be interrupted, and one
+name behind a slow DNS server would otherwise hold the run (and Horovod's
+driver, which waits for it) for the resolver's own timeout. A probe still
+running at the deadline is left behind; it does not hold the interpreter's
+exit.
 
 >>> reachable([], port=22, timeout=0.01)
 set()
 """
-import errno
-import selectors
 import socket
+import threading
 import time
 
 
 def reachable(hosts, port, timeout):
     """The subset of ``hosts`` whose ``port`` accepted a connection within ``timeout`` seconds
-    (name resolution included; a name that does not resolve is not reachable)."""
+    (name resolution included; a name that does not resolve in time is not reachable)."""
     deadline = time.monotonic() + timeout
-    selector = selectors.DefaultSelector()
-    answered = set()
-    try:
-        for host in set(hosts):
-            try:
-                address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-            except OSError:
-                continue
-            sock = socket.socket(address[0], socket.SOCK_STREAM)
-            sock.setblocking(False)
-            code = sock.connect_ex(address[4])
-            if code == 0:
-                answered.add(host)
-                sock.close()
-            elif code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
-                selector.register(sock, selectors.EVENT_WRITE, host)
-            else:
-                sock.close()
-        while selector.get_map():
+    answered, lock = set(), threading.Lock()
+
+    def probe(host):
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, port,
+                                                          type=socket.SOCK_STREAM)[0]
             left = deadline - time.monotonic()
             if left <= 0:
-                break
-            for key, _ in selector.select(left):
-                sock = key.fileobj
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    answered.add(key.data)
-                selector.unregister(sock)
-                sock.close()
-    finally:
-        for key in list(selector.get_map().values()):
-            key.fileobj.close()
-        selector.close()
-    return answered
+                return
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(left)
+                sock.connect(address)
+        except OSError:
+            return
+        with lock:
+            answered.add(host)
+
+    threads = [threading.Thread(target=probe, args=(host,), daemon=True,
+                                name=f"hvd_adapt-probe-{host}") for host in set(hosts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        return set(answered)
