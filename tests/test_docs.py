@@ -95,8 +95,7 @@ def check_discover(args):
 
 def check_worker(args):
     from hvd_adapt.scheduling import standby
-    command = standby.parser().parse_args(args).command
-    check_command(command[1:] if command[:1] == ["--"] else command)
+    check_command(standby.parse(standby.parser(), args)[1])
 
 
 def check_pip(args):

@@ -327,11 +327,16 @@ def parser():
     return p
 
 
+def parse(p, argv=None):
+    """``hvd-adapt-worker``'s arguments from ``argv``, and the training command after ``--``."""
+    args = p.parse_args(argv)
+    return args, args.command[1:] if args.command[:1] == ["--"] else args.command
+
+
 def main(argv=None):
     """``hvd-adapt-worker``: run a standby (``--standby``), or launch a slot through one."""
     p = parser()
-    args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    args, command = parse(p, argv)
     if not command:
         p.error("the training command is missing (give it after --)")
     host = args.host or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
