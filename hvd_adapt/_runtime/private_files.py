@@ -1,0 +1,139 @@
+"""Files and folders in places another local user could write (/tmp, shared volumes).
+
+Every file hvd_adapt creates in such a place goes through this module, so one
+set of checks holds everywhere: a folder we use is a real folder (no symlink
+followed), owned by us and writable by no one else; a file is created
+exclusively (``O_EXCL|O_NOFOLLOW``, an unpredictable name where it is
+temporary) with a mode we choose; a file we read back is ours and not a
+planted link. Standard library only: the discovery script imports it.
+
+>>> import tempfile, os
+>>> top = tempfile.mkdtemp()
+>>> folder = private_folder(os.path.join(top, "state"))
+>>> oct(os.stat(folder).st_mode & 0o777)
+'0o700'
+>>> write_file_atomically(os.path.join(folder, "a.json"), b"{}")
+>>> read_own_file(os.path.join(folder, "a.json"))
+b'{}'
+"""
+import errno
+import os
+import stat
+import tempfile
+
+
+class UnsafePathError(PermissionError):
+    """A path in a shared place fails an ownership or mode check; the message says which."""
+
+
+def _describe(st):
+    return f"owner uid {st.st_uid}, mode {oct(stat.S_IMODE(st.st_mode))}"
+
+
+def check_owned(st, path, others_may_write=False):
+    """Raise :class:`UnsafePathError` unless ``st`` (an ``os.stat_result`` of ``path``)
+    belongs to this process's user and, unless ``others_may_write``, no group or other
+    user may write it."""
+    if st.st_uid != os.geteuid():
+        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {os.geteuid()}): refusing to use it ({_describe(st)})")
+    if not others_may_write and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafePathError(f"{path} is writable by other users ({_describe(st)}): another "
+                              f"local user could plant files there; chmod go-w it")
+
+
+def private_folder(path, mode=0o700):
+    """Create ``path`` (parents included, each a real folder) with ``mode`` if it is missing;
+    check that it is a real folder (not a symlink), ours and writable by no one else.
+    Returns the absolute path."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} is not a folder (a symlink or a file): refusing to use it")
+    check_owned(st, path)
+    return path
+
+
+def user_runtime_folder(name):
+    """A private folder ``name`` for this user's small state files: under
+    ``$XDG_RUNTIME_DIR`` when that is set, ours and private; otherwise
+    ``<tmp>/hvd_adapt-<uid>/<name>``, created 0700 with the same checks (a folder
+    another user made there first is refused, not used)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        try:
+            st = os.lstat(runtime)
+            if stat.S_ISDIR(st.st_mode):
+                check_owned(st, runtime)
+                return private_folder(os.path.join(runtime, "hvd_adapt", name))
+        except (OSError, UnsafePathError):
+            pass
+    top = private_folder(os.path.join(tempfile.gettempdir(), f"hvd_adapt-{os.geteuid()}"))
+    return private_folder(os.path.join(top, name))
+
+
+def create_exclusive(path, mode=0o600, flags=0):
+    """Open a new file at ``path`` for writing: created here (``O_EXCL``), never through a
+    symlink (``O_NOFOLLOW``), with ``mode``; ``flags`` adds to ``os.open``'s (``O_DIRECT``).
+    Returns the file descriptor."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                   | flags, mode)
+
+
+def write_file_atomically(path, data, mode=0o600, durable=False):
+    """Replace ``path`` with ``data`` (bytes) atomically: an unpredictable temporary name
+    beside it, created exclusively, filled, then renamed over ``path``. ``durable``:
+    fsync the file before the rename. A failure removes the temporary file and leaves
+    ``path`` as it was."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = create_exclusive(tmp, mode)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name", path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def open_own_file(path, others_may_write=False):
+    """Open ``path`` for reading without following a symlink, and check with ``fstat`` (on
+    the very file opened) that it is a regular file of ours. Returns a binary file object."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file: refusing to read it")
+        check_owned(st, path, others_may_write=others_may_write)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_own_file(path, limit=16 << 20, others_may_write=False):
+    """The bytes of ``path`` (a regular file of ours, no symlink followed), at most
+    ``limit`` of them: a larger file raises ``ValueError`` naming its size."""
+    with open_own_file(path, others_may_write=others_may_write) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes: refusing to read it")
+    return data

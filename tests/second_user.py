@@ -1,0 +1,46 @@
+"""Acting as a second local user in a test: ``nobody`` (uid 65534), by forking and dropping
+privileges, so no interpreter needs to be executable by that user. Root only: skipped elsewhere."""
+import os
+import shutil
+import tempfile
+import traceback
+
+import pytest
+
+OTHER_UID = 65534  # nobody
+
+
+def as_other_user(action):
+    """Run ``action()`` in a forked child that dropped to ``OTHER_UID``; raise
+    ``AssertionError`` with its traceback if it raised."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second local user needs root (setuid)")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            action()
+        except BaseException:
+            os.write(write, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        message = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the second user's action failed:\n{message}"
+
+
+@pytest.fixture
+def shared_tmp():
+    """A fresh folder like /tmp (mode 1777, reachable by every user) outside pytest's private
+    base temp, removed afterwards."""
+    folder = tempfile.mkdtemp(prefix="hvd_adapt-shared-", dir="/tmp")
+    os.chmod(folder, 0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

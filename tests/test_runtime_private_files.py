@@ -1,0 +1,76 @@
+"""The one helper for files in shared places: owner and mode checked, no link followed,
+files created exclusively; a second local user (``nobody``) plants what it can."""
+import os
+
+import pytest
+
+from hvd_adapt._runtime import private_files as pf
+from second_user import OTHER_UID, as_other_user, shared_tmp  # noqa: F401 (a fixture)
+
+
+def test_a_private_folder_is_0700_and_ours(tmp_path):
+    folder = pf.private_folder(tmp_path / "a" / "b")
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+
+
+def test_a_folder_others_may_write_is_refused(tmp_path):
+    os.mkdir(tmp_path / "open")
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(pf.UnsafePathError, match="writable by other users"):
+        pf.private_folder(tmp_path / "open")
+
+
+def test_a_symlink_in_place_of_the_folder_is_refused(tmp_path):
+    os.mkdir(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    with pytest.raises(pf.UnsafePathError, match="not a folder"):
+        pf.private_folder(tmp_path / "link")
+
+
+def test_a_folder_another_user_made_first_is_refused(shared_tmp):
+    state = os.path.join(shared_tmp, "state")
+    as_other_user(lambda: os.mkdir(state, 0o700))
+    with pytest.raises(pf.UnsafePathError, match=f"belongs to uid {OTHER_UID}"):
+        pf.private_folder(state)
+
+
+def test_the_runtime_folder_is_per_user_and_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(pf.tempfile, "tempdir", str(tmp_path))
+    folder = pf.user_runtime_folder("discover")
+    assert folder == str(tmp_path / f"hvd_adapt-{os.geteuid()}" / "discover")
+    os.chmod(tmp_path / f"hvd_adapt-{os.geteuid()}", 0o777)
+    with pytest.raises(pf.UnsafePathError):
+        pf.user_runtime_folder("discover")
+
+
+def test_creating_never_follows_a_planted_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "new")
+    with pytest.raises(FileExistsError):
+        pf.create_exclusive(tmp_path / "new")
+    assert victim.read_text() == "precious"
+
+
+def test_atomic_writes_replace_whole_and_leave_no_temporary_on_failure(tmp_path):
+    path = tmp_path / "f"
+    pf.write_file_atomically(path, b"one")
+    pf.write_file_atomically(path, b"two", durable=True)
+    assert path.read_bytes() == b"two" and os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(TypeError):
+        pf.write_file_atomically(path, "not bytes")
+    assert sorted(os.listdir(tmp_path)) == ["f"] and path.read_bytes() == b"two"
+
+
+def test_reading_refuses_links_and_other_users_files(tmp_path, shared_tmp):
+    (tmp_path / "real").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(OSError):
+        pf.read_own_file(tmp_path / "link")
+    theirs = os.path.join(shared_tmp, "theirs")
+    as_other_user(lambda: open(theirs, "w").write("{}"))
+    with pytest.raises(pf.UnsafePathError, match="belongs to uid"):
+        pf.read_own_file(theirs)
+    with pytest.raises(ValueError, match="larger than 0 bytes"):
+        pf.read_own_file(tmp_path / "real", limit=0)
