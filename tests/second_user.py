@@ -1,7 +1,9 @@
 """Acting as a second local user in a test: ``nobody`` (uid 65534), by forking and dropping
 privileges, so no interpreter needs to be executable by that user. Root only: skipped elsewhere."""
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import traceback
 
@@ -44,3 +46,25 @@ def shared_tmp():
     os.chmod(folder, 0o1777)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def other_user_running(action):
+    """Run ``action()`` as ``OTHER_UID`` in a forked child while the ``with`` block runs (a
+    hostile process that keeps listening, say); the child is killed when the block ends."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second local user needs root (setuid)")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            action()
+        finally:
+            os._exit(0)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

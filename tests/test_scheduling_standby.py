@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hvd_adapt.scheduling import ready, standby
+from second_user import OTHER_UID, other_user_running, shared_tmp  # noqa: F401 (a fixture)
 
 WORKER = [sys.executable, "-m", "hvd_adapt.scheduling.standby"]
 
@@ -28,6 +29,9 @@ SCRIPT = textwrap.dedent("""
         print("FOO=" + os.environ.get("FOO", "") + " cwd=" + os.getcwd(), flush=True)
         print("to stderr", file=sys.stderr, flush=True)
         sys.exit(3)
+    if mode == "env":
+        print(" ".join(f"{name}={os.environ.get(name)}" for name in ("SECRET", "HOROVOD_RANK",
+                                                                    "FOO")), flush=True)
     if mode == "modules":
         print(" ".join(f"{name}={name in sys.modules}"
                        for name in ("torch._dynamo", "hvd_adapt.optim.distributed")), flush=True)
@@ -58,14 +62,15 @@ def setup(tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         supervisors.append(proc)
         deadline = time.time() + 60
-        while ready.ready_count(str(tmp_path / "ready"), host) == 0:
+        while not ready.ready_files(str(tmp_path / "ready"), host):
             assert proc.poll() is None, proc.communicate()
             assert time.time() < deadline, "the standby never became ready"
             time.sleep(0.05)
         return proc
 
     def launch(env=None, host="h1", **kwargs):
-        return subprocess.Popen(WORKER + ["--standby-dir", str(tmp_path / "ready"), "--"]
+        return subprocess.Popen(WORKER + ["--standby-dir", str(tmp_path / "ready"),
+                                          "--pass-env", "FOO", "--pass-env", "MODE", "--"]
                                 + command, env=dict(os.environ, HOROVOD_HOSTNAME=host,
                                                     **(env or {})),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -109,7 +114,7 @@ def test_without_a_ready_standby_the_stub_starts_cold(setup):
     out, err = stub.communicate(timeout=60)
     assert stub.returncode == 3
     assert out.startswith("FOO=cold") and "no standby ready on h1; starting cold" in err
-    assert ready.ready_count(str(tmp_path / "ready"), "other") == 1
+    assert len(ready.ready_files(str(tmp_path / "ready"), "other")) == 1
 
 
 def test_a_standby_of_another_command_is_not_taken(setup):
@@ -118,7 +123,7 @@ def test_a_standby_of_another_command_is_not_taken(setup):
     stub = launch()
     _, err = stub.communicate(timeout=60)
     assert "starting cold" in err
-    assert ready.ready_count(str(tmp_path / "ready"), "h1") == 1
+    assert len(ready.ready_files(str(tmp_path / "ready"), "h1")) == 1
 
 
 def test_sigterm_to_the_stub_reaches_the_script(setup):
@@ -163,7 +168,8 @@ def test_hvd_adapt_init_waits_in_a_standby(setup):
                       "print(hvd_adapt.env.size(), os.environ['FOO'], flush=True)\n")
     command = [sys.executable, str(script)]
     start_standby(cmd=command)
-    stub = subprocess.Popen(WORKER + ["--standby-dir", str(tmp_path / "ready"), "--"] + command,
+    stub = subprocess.Popen(WORKER + ["--standby-dir", str(tmp_path / "ready"), "--pass-env",
+                                      "FOO", "--"] + command,
                             env=dict(os.environ, HOROVOD_HOSTNAME="h1", FOO="handed"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = stub.communicate(timeout=120)
@@ -171,19 +177,153 @@ def test_hvd_adapt_init_waits_in_a_standby(setup):
     assert out == "1 handed\n"
 
 
-def test_ready_files_expire_without_heartbeat(tmp_path):
+def test_a_heartbeat_is_judged_by_changes_the_reader_saw_not_by_clocks(tmp_path):
     folder = tmp_path / "h"
-    folder.mkdir()
-    (folder / "1.json").write_text(json.dumps({}))
-    (folder / "2.claimed").write_text(json.dumps({}))
-    old = tmp_path / "h" / "3.json"
-    old.write_text("{}")
-    os.utime(old, (time.time() - 2 * ready.FRESH_SECONDS,) * 2)
-    assert ready.ready_count(str(tmp_path), "h") == 1
-    assert ready.ready_count(str(tmp_path), "absent") == 0
+    folder.mkdir(mode=0o700)
+    live, dead = folder / "1.json", folder / "2.json"
+    live.write_text("{}")
+    # A dead standby's file stamped an hour ahead of this machine's clock (another
+    # machine's, an NFS server's): it never changes, so it never counts.
+    dead.write_text("{}")
+    os.utime(dead, (time.time() + 3600,) * 2)
+    (folder / "3.claimed").write_text("{}")
+    count, seen = ready.ready_count(str(tmp_path), "h", {}, now=100.0)
+    assert count == 0                               # first sight: nothing seen beating yet
+    # The live one beats with a clock six seconds behind the reader's.
+    os.utime(live, (time.time() - 6,) * 2)
+    count, seen = ready.ready_count(str(tmp_path), "h", seen, now=101.0)
+    assert count == 1 and sorted(seen) == [str(live), str(dead)]
+    count, seen = ready.ready_count(str(tmp_path), "h", seen, now=101.0 + ready.FRESH_SECONDS)
+    assert count == 1
+    count, seen = ready.ready_count(str(tmp_path), "h", seen, now=102.0 + ready.FRESH_SECONDS)
+    assert count == 0                               # it stopped beating
+    live.unlink()
+    assert ready.ready_count(str(tmp_path), "h", seen, now=103.0) == (0, {str(dead): seen[str(dead)]})
+    assert ready.ready_count(str(tmp_path), "absent", {}, now=0.0) == (0, {})
 
 
 def test_missing_command_is_an_error(capsys):
     with pytest.raises(SystemExit):
         standby.main(["--standby-dir", "x"])
     assert "the training command is missing" in capsys.readouterr().err
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_only_the_slots_environment_reaches_the_standby(setup):
+    # The launcher's secrets stay with the stub; Horovod's slot variables and the names
+    # given with --pass-env go.
+    tmp_path, start_standby, launch = setup
+    start_standby()
+    out, err = launch({"MODE": "env", "SECRET": "hunter2", "HOROVOD_RANK": "5",
+                       "FOO": "passed"}).communicate(timeout=60)
+    assert out == "SECRET=None HOROVOD_RANK=5 FOO=passed\n", err
+
+
+def test_a_killed_supervisor_takes_the_script_with_it(setup):
+    tmp_path, start_standby, launch = setup
+    supervisor = start_standby()
+    stub = launch({"MODE": "ignore-term"})
+    assert stub.stdout.readline() == "waiting\n"
+    pid = int((tmp_path / "pid").read_text())
+    supervisor.kill()
+    _, err = stub.communicate(timeout=60)
+    assert stub.returncode == 1 and "went away without an exit status" in err
+    deadline = time.time() + 30
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), "the script outlived its supervisor"
+
+
+def test_a_supervisor_refuses_a_standby_folder_others_may_write(tmp_path):
+    (tmp_path / "h").mkdir()
+    os.chmod(tmp_path / "h", 0o777)
+    out = subprocess.run(WORKER + ["--standby", "--standby-dir", str(tmp_path), "--host", "h",
+                                   "--", sys.executable, "-c", "print('ran')"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "ran" not in out.stdout
+    assert "writable by other users" in out.stderr and str(tmp_path / "h") in out.stderr
+
+
+def listen_and_record(folder, command, pid, record):
+    """A fake standby in ``folder``: a ready file for ``command`` naming ``pid``, a socket
+    that writes ``record`` when anything connects."""
+    import socket
+    address = os.path.join(folder, f"{pid}.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    os.chmod(address, 0o777)
+    server.listen(4)
+    with open(os.path.join(folder, f"{pid}.json"), "w") as f:
+        json.dump({"socket": address, "pid": pid, "command": command, "ready_at": 0}, f)
+    os.chmod(os.path.join(folder, f"{pid}.json"), 0o666)
+    return server, address
+
+
+@pytest.mark.parametrize("folder_owner", ["other", "us"])
+def test_another_user_cannot_take_a_slot(setup, shared_tmp, folder_owner):
+    # The standby folder on a shared path: another local user plants a ready file for our
+    # command, naming a socket of its own. The stub must not connect: it starts cold.
+    tmp_path, _, _ = setup
+    command = [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "pid")]
+    host = os.path.join(shared_tmp, "h1")
+    hijacked = os.path.join(shared_tmp, "hijacked")
+    if folder_owner == "us":
+        os.mkdir(host)
+        os.chmod(host, 0o777)             # ours, but others may write it
+
+    def fake_standby():
+        if folder_owner == "other":
+            os.mkdir(host)
+            os.chmod(host, 0o777)
+        server, _ = listen_and_record(host, command, os.getpid(), hijacked)
+        open(os.path.join(shared_tmp, "planted"), "w").close()
+        connection, _ = server.accept()
+        open(hijacked, "w").write(repr(connection.recv(1 << 16)))
+
+    with other_user_running(fake_standby):
+        deadline = time.time() + 30
+        while not os.path.exists(os.path.join(shared_tmp, "planted")):
+            assert time.time() < deadline, "the second user never planted its file"
+            time.sleep(0.05)
+        stub = subprocess.Popen(WORKER + ["--standby-dir", shared_tmp, "--"] + command,
+                                env=dict(os.environ, HOROVOD_HOSTNAME="h1", FOO="mine",
+                                         SECRET="hunter2"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = stub.communicate(timeout=60)
+        time.sleep(0.5)                   # a connection the stub made would be recorded now
+        assert not os.path.exists(hijacked), open(hijacked).read()
+    assert stub.returncode == 3 and out.startswith("FOO=mine"), err
+    assert "not using the standby folder" in err and "starting cold" in err
+
+
+def test_a_claim_that_fails_in_any_way_starts_cold(setup):
+    # Ready files of this user that are not a live standby's: garbage, and one whose socket
+    # is served by another process than the pid it names. Neither gets the slot.
+    import socket
+    tmp_path, _, launch = setup
+    command = [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "pid")]
+    folder = tmp_path / "ready" / "h1"
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / "1.json").write_text("[")
+    (folder / "2.json").write_text(json.dumps({"socket": 5, "pid": "x", "command": command}))
+    server, address = listen_and_record(str(folder), command, 1, None)
+    os.chmod(address, 0o600)
+    os.chmod(folder / "1.json", 0o600)
+    with server:
+        stub = launch({"FOO": "cold"})
+        server.settimeout(30)
+        try:
+            connection, _ = server.accept()     # the stub connects, then refuses ...
+            connection.close()
+        except socket.timeout:
+            pass
+        out, err = stub.communicate(timeout=60)
+    assert stub.returncode == 3 and out.startswith("FOO=cold"), err
+    assert "is served by pid" in err and "not a ready file" in err and "starting cold" in err

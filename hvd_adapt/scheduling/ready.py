@@ -1,34 +1,83 @@
-"""The standbys' ready files: ``<folder>/<host>/<pid>.json``, fresh while their heartbeat is.
+"""The standbys' ready files: ``<folder>/<host>/<pid>.json``, and whether their heartbeat beats.
 
 A standby (:mod:`hvd_adapt.scheduling.standby`) writes its file once booted
 and touches it every second while it waits; the launch stub claims it by
-renaming it. ``hvd-adapt-discover`` counts the fresh ones every second, so
-this module is the standard library's ``glob``, ``os`` and ``time`` only.
+renaming it. ``hvd-adapt-discover`` counts the live ones every second, so
+this module is the standard library's ``glob``, ``os`` and ``stat`` only.
 
->>> ready_count("/nonexistent", "host")
-0
+A heartbeat is judged without comparing clocks: the modification time of a
+ready file is set by whichever clock the file system uses (an NFS server's,
+a pod's that drifted), so its absolute value says nothing to a reader on
+another machine. The reader remembers what it saw instead: a file counts as
+live once the reader has seen its modification time *change*, and for
+:data:`FRESH_SECONDS` of the reader's own clock after the last change it
+saw. A file seen for the first time is not yet live (one heartbeat later it
+is); a dead standby's file stops changing and stops counting, whatever time
+it carries.
+
+Only a folder ``<folder>/<host>`` of this user that no other user may write
+counts (see :func:`host_folder`): another local user cannot plant a file
+there, and the launch stub checks the standby's credentials on its socket
+besides.
+
+>>> ready_count("/nonexistent", "host", {}, now=0.0)
+(0, {})
 """
 import glob
 import os
-import time
+import stat
 
-# A ready file this much older than its heartbeat is a dead standby's.
+from .._runtime.private_files import UnsafePathError, check_owned
+
+# A ready file whose heartbeat the reader has not seen change for this long is a dead standby's.
 FRESH_SECONDS = 5.0
 
 
+def host_folder(folder, host):
+    """``<folder>/<host>``, checked: a real folder of this user that no other user may write.
+    Raises ``FileNotFoundError`` when it is missing and
+    :class:`~hvd_adapt._runtime.private_files.UnsafePathError` (naming the owner and mode)
+    when another user could plant files in it."""
+    path = os.path.join(folder, host)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} is not a folder (a symlink or a file): refusing to use it")
+    check_owned(st, path)
+    return path
+
+
 def ready_files(folder, host):
-    """The ready files of ``host``'s standbys under ``folder`` whose heartbeat is fresh."""
-    now = time.time()
-    fresh = []
-    for path in glob.glob(os.path.join(folder, glob.escape(host), "*.json")):
+    """Every ready file of ``host``'s standbys under ``folder``, oldest pid name first; []
+    when the host has no folder. Whether a standby is alive its socket tells (the stub
+    connects); :func:`ready_count` judges heartbeats. Raises
+    :class:`~hvd_adapt._runtime.private_files.UnsafePathError` for a folder other users
+    may write."""
+    try:
+        path = host_folder(folder, host)
+    except FileNotFoundError:
+        return []
+    return sorted(glob.glob(os.path.join(glob.escape(path), "*.json")))
+
+
+def ready_count(folder, host, seen, now):
+    """How many of ``host``'s standbys beat, judged on this reader's clock ``now`` and what
+    it saw before: ``seen`` maps a ready file to ``[mtime_ns, last change seen at]`` (the
+    second None until a change is seen). Returns the count and the ``seen`` entries to keep
+    for the next call (files that are gone are forgotten)."""
+    count, kept = 0, {}
+    try:
+        paths = ready_files(folder, host)
+    except (OSError, UnsafePathError):
+        return 0, {}
+    for path in paths:
         try:
-            if now - os.stat(path).st_mtime <= FRESH_SECONDS:
-                fresh.append(path)
+            mtime = os.stat(path).st_mtime_ns
         except FileNotFoundError:
-            pass
-    return sorted(fresh)
-
-
-def ready_count(folder, host):
-    """How many standbys wait ready on ``host``."""
-    return len(ready_files(folder, host))
+            continue
+        before, changed_at = seen.get(path, (None, None))
+        if before is not None and mtime != before:
+            changed_at = now
+        if changed_at is not None and now - changed_at <= FRESH_SECONDS:
+            count += 1
+        kept[path] = [mtime, changed_at]
+    return count, kept

@@ -15,14 +15,25 @@ a cluster. A standby does that start-up before the host is offered:
 3. Horovod launches ``hvd-adapt-worker --standby-dir DIR -- python train.py ...``
    for the slot: this launch stub (standard library only, milliseconds to
    start) claims the standby (an atomic rename of its file), passes it the
-   slot's environment, working directory and standard streams over a Unix
-   socket, forwards signals to it and exits with its exit code. Where no
-   standby is ready it runs the command itself (a cold start).
+   slot's environment (:func:`slot_environment`), working directory and
+   standard streams over a Unix socket, forwards signals to it and exits
+   with its exit code. Where no standby is ready, or anything about the
+   claim fails, it runs the command itself (a cold start).
 
 The standby's supervisor, not the script, holds the socket: it sees the
 script's exit status, and when the stub dies (Horovod's SIGKILL five
-seconds after a SIGTERM) it kills the script in turn, so no worker outlives
-its slot. The supervisor serves one slot; start another for the next join.
+seconds after a SIGTERM) it kills the script in turn; the script is killed
+by the kernel when its supervisor dies (``PR_SET_PDEATHSIG``), so no worker
+outlives its slot either way. The supervisor serves one slot; start another
+for the next join.
+
+Trust: the stub hands its slot only to a standby of its own user. The
+folder ``DIR/<host>`` must belong to that user and be writable by no one
+else (the supervisor creates it so; the stub starts cold on any other), the
+ready file must be a regular file of that user, its socket too, and the
+process listening on the socket must be that user's and the very pid the
+ready file names (``SO_PEERCRED``). ``DIR`` itself may be shared (a volume,
+``/tmp``).
 """
 import argparse
 import json
@@ -30,13 +41,15 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
+from .._runtime.private_files import (UnsafePathError, check_owned, private_folder,
+                                      read_own_file, user_runtime_folder, write_file_atomically)
 from .ready import ready_files
 
 log = logging.getLogger("hvd_adapt")
@@ -49,6 +62,14 @@ CLAIM_SECONDS = 10.0
 KILL_AFTER_SECONDS = 5.0
 _HEADER = struct.Struct("!Q")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# The slot's variables a script needs (Horovod's rendezvous and ranks, the launcher's
+# settings for the library, NCCL, Gloo and MPI, the devices of the slot); the rest of the
+# launcher's environment (its secrets among them) stays with the stub.
+SLOT_PREFIXES = ("HOROVOD_", "HVD_ADAPT_", "NCCL_", "GLOO_", "OMPI_", "PMIX_")
+SLOT_NAMES = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
+# A ready file is a few hundred bytes; more is not one.
+_READY_FILE_LIMIT = 1 << 16
+_UCRED = struct.Struct("3i")
 
 
 # -- messages: a length header carrying the file descriptors, then JSON ----------------------
@@ -84,6 +105,21 @@ def _recv(sock, max_fds=0):
         header = _recv_exactly(sock, _HEADER.size)
     (length,) = _HEADER.unpack(header)
     return json.loads(_recv_exactly(sock, length)), fds
+
+
+def peer_credentials(sock):
+    """``(pid, uid)`` of the process at the other end of the Unix socket ``sock``."""
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _UCRED.size))
+    return pid, uid
+
+
+def slot_environment(environ, passed=()):
+    """The part of ``environ`` a stub hands its standby: :data:`SLOT_PREFIXES`,
+    :data:`SLOT_NAMES` and the names in ``passed`` (``--pass-env``)."""
+    return {name: value for name, value in environ.items()
+            if name != ENV_FD and (name.startswith(SLOT_PREFIXES) or name in SLOT_NAMES
+                                   or name in passed)}
 
 
 def _exit_code(returncode):
@@ -123,11 +159,26 @@ def wait_for_handover():
         os.dup2(received, target)
         os.close(received)
     os.chdir(message["cwd"])
-    os.environ.clear()
+    # The standby's own environment (its pod's), with the slot's variables over it.
     os.environ.update(message["env"])
 
 
 # -- the supervisor (``--standby``) ---------------------------------------------------------
+def _die_with_parent(parent):
+    """A ``preexec_fn``: the kernel kills the script when the supervisor ``parent`` dies
+    (``PR_SET_PDEATHSIG``, Linux), so a killed supervisor leaves no script behind."""
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl     # looked up before the fork
+    pr_set_pdeathsig = 1
+
+    def preexec():
+        if prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:      # died before the prctl: nothing would signal us
+            os._exit(126)
+    return preexec
+
+
 class Supervisor:
     """Runs ``command`` as a standby for ``host``, publishes it under ``folder`` once it is
     ready, hands it the first slot that claims it and reports its exit status."""
@@ -144,10 +195,15 @@ class Supervisor:
 
     def run(self):
         """Returns the exit code to leave with."""
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            private_folder(self.folder)
+        except (OSError, UnsafePathError) as e:
+            log.error("standby: cannot use the standby folder: %s", e)
+            return 2
         ours, theirs = socket.socketpair()
         env = dict(os.environ, **{ENV_FD: str(theirs.fileno())})
-        self.child = subprocess.Popen(self.command, env=env, pass_fds=[theirs.fileno()])
+        self.child = subprocess.Popen(self.command, env=env, pass_fds=[theirs.fileno()],
+                                      preexec_fn=_die_with_parent(os.getpid()))
         theirs.close()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._stop_waiting)
@@ -159,18 +215,23 @@ class Supervisor:
                       "a standby's script must call hvd_adapt.init()",
                       " ".join(self.command), code)
             return code or 1
-        with tempfile.TemporaryDirectory(prefix="hvd_adapt-standby-") as private:
-            address = os.path.join(private, "socket")
+        # The socket lives in this user's private runtime folder: no other user can reach it.
+        address = os.path.join(user_runtime_folder("standby"),
+                               f"{os.getpid()}-{os.urandom(4).hex()}.sock")
+        try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
                 server.bind(address)
+                os.chmod(address, 0o600)
                 server.listen(4)
                 server.settimeout(HEARTBEAT_SECONDS)
                 self._publish(address)
                 connection = self._accept(server)
-            if connection is None:
-                return _exit_code(self.child.wait())
-            with connection:
-                return self._serve(connection, ours)
+        finally:
+            os.unlink(address)
+        if connection is None:
+            return _exit_code(self.child.wait())
+        with connection:
+            return self._serve(connection, ours)
 
     def _stop_waiting(self, signum, frame):
         # The script gets the signal too; before it serves a slot the standby is done,
@@ -185,10 +246,7 @@ class Supervisor:
     def _publish(self, address):
         info = {"socket": address, "pid": os.getpid(), "host": self.host,
                 "command": self.command, "ready_at": time.time()}
-        tmp = self.ready_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, self.ready_path)
+        write_file_atomically(self.ready_path, json.dumps(info).encode())
         log.info("standby: ready for a slot on %s (%s)", self.host, self.ready_path)
 
     def _accept(self, server):
@@ -201,12 +259,15 @@ class Supervisor:
                 return None
             try:
                 connection, _ = server.accept()
-                self._remove_files()
-                return connection
             except socket.timeout:
-                pass
+                connection = None
+            if connection is not None:
+                if peer_credentials(connection)[1] == os.geteuid():
+                    self._remove_files()
+                    return connection
+                connection.close()      # not a stub of this user: not a slot
             try:
-                os.utime(self.ready_path)
+                os.utime(self.ready_path, follow_symlinks=False)
                 claimed_since = None
             except FileNotFoundError:
                 # Claimed: a stub connects next, unless it died in between.
@@ -263,31 +324,86 @@ class Supervisor:
 
 
 # -- the launch stub (what Horovod starts) --------------------------------------------------
-def hand_over(folder, host, command):
+def hand_over(folder, host, command, passed=()):
     """Hand this process's slot to a ready standby of ``host`` running ``command``; returns
-    the standby's exit code once it ends, or None when no standby took the slot."""
-    for path in ready_files(folder, host):
+    the standby's exit code once it ends, or None when no standby took the slot (a
+    warning on stderr says why where one was refused). Only the slot's environment
+    (:func:`slot_environment` with ``passed``) goes to the standby."""
+    try:
+        paths = ready_files(folder, host)
+    except (OSError, UnsafePathError) as e:
+        _warn(f"not using the standby folder: {e}")
+        return None
+    for path in paths:
         try:
-            with open(path) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
+            connection = _claim(path, command)
+        except Exception as e:      # any failed claim is a cold start, never a failed slot
+            _warn(f"not using the standby of {path}: {e}")
             continue
-        if info.get("command") != list(command):
+        if connection is None:
             continue
-        claimed = path[:-len(".json")] + ".claimed"
         try:
-            os.rename(path, claimed)
-        except FileNotFoundError:
-            continue            # another stub was first
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            connection.connect(info["socket"])
-            _send(connection, {"env": dict(os.environ), "cwd": os.getcwd()}, (0, 1, 2))
-        except OSError:
+            _send(connection, {"env": slot_environment(os.environ, passed),
+                               "cwd": os.getcwd()}, (0, 1, 2))
+        except OSError as e:
             connection.close()
+            _warn(f"the standby of {path} went away during the hand-over: {e}")
             continue
         return _relay(connection)
     return None
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _warn(message):
+    sys.stderr.write(f"hvd-adapt-worker: {message}\n")
+    sys.stderr.flush()
+
+
+def _claim(path, command):
+    """The connection to the standby of ready file ``path`` once it is claimed and proved
+    to be this user's; None where it is another command's, already claimed or gone."""
+    info = json.loads(read_own_file(path, limit=_READY_FILE_LIMIT))
+    if not (isinstance(info, dict) and isinstance(info.get("socket"), str)
+            and type(info.get("pid")) is int and isinstance(info.get("command"), list)):
+        raise ValueError("not a ready file (socket, pid and command expected)")
+    if info["command"] != list(command):
+        return None
+    claimed = path[:-len(".json")] + ".claimed"
+    try:
+        st = os.lstat(info["socket"])
+    except FileNotFoundError:
+        _remove(path)           # a killed standby's file: its socket went with its folder
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UnsafePathError(f"{info['socket']} is not a socket")
+    check_owned(st, info["socket"])
+    try:
+        os.rename(path, claimed)
+    except FileNotFoundError:
+        return None             # another stub was first
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            connection.connect(info["socket"])
+        except ConnectionRefusedError:
+            _remove(claimed)    # a killed standby's file and socket
+            connection.close()
+            return None
+        pid, uid = peer_credentials(connection)
+        if uid != os.geteuid() or pid != info["pid"]:
+            raise UnsafePathError(f"{info['socket']} is served by pid {pid} of uid {uid}, not "
+                                  f"by the standby's pid {info['pid']} of this user "
+                                  f"(uid {os.geteuid()})")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
 
 
 def _relay(connection):
@@ -319,6 +435,10 @@ def parser():
                    help="boot COMMAND as a standby and wait for a slot")
     p.add_argument("--standby-dir", required=True,
                    help="folder of the ready files (shared with hvd-adapt-discover)")
+    p.add_argument("--pass-env", action="append", default=[], metavar="NAME",
+                   help="also hand the standby this variable of the slot's environment "
+                        "(repeatable; HOROVOD_*, HVD_ADAPT_*, NCCL_*, GLOO_*, OMPI_*, PMIX_*, "
+                        "CUDA_VISIBLE_DEVICES and PYTHONUNBUFFERED always go)")
     p.add_argument("--host", default=None,
                    help="the host name as the discovery lists it (default: "
                         "$HOROVOD_HOSTNAME, else this machine's name)")
@@ -343,11 +463,10 @@ def main(argv=None):
     if args.standby:
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO)
         return Supervisor(command, args.standby_dir, host).run()
-    code = hand_over(args.standby_dir, host, command)
+    code = hand_over(args.standby_dir, host, command, args.pass_env)
     if code is not None:
         return code
-    sys.stderr.write(f"hvd-adapt-worker: no standby ready on {host}; starting cold\n")
-    sys.stderr.flush()
+    _warn(f"no standby ready on {host}; starting cold")
     try:
         os.execvp(command[0], command)
     except OSError as e:
