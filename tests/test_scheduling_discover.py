@@ -9,7 +9,6 @@ import time
 import pytest
 
 from hvd_adapt.scheduling import discover as discover_module
-from hvd_adapt.scheduling.discover import parse_hosts
 from hvd_adapt.scheduling.hints import make_hints, write_hints
 
 
@@ -139,19 +138,41 @@ def test_no_resize_within_hold_seconds_of_the_last(tmp_path):
 def test_standby_dir_limits_new_slots_to_ready_standbys(tmp_path):
     ready = tmp_path / "standby"
     run = Discovery(tmp_path, ["a:2", "b:2"], "--standby-dir", str(ready), "--initial-np", "1")
+
+    def beat(path):
+        # A heartbeat the discovery sees change (an mtime it has not seen before).
+        path.touch()
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10 ** 9 * beat.count))
+        beat.count += 1
+    beat.count = 1
+
     assert run() == []                              # nothing ready anywhere
-    (ready / "a").mkdir(parents=True)
-    (ready / "a" / "100.json").write_text("{}")
+    (ready / "a").mkdir(parents=True, mode=0o700)
+    beat(ready / "a" / "100.json")
+    assert run() == []                              # seen once: not yet seen beating
+    beat(ready / "a" / "100.json")
     assert run() == [("a", 1)]
     (ready / "a" / "100.json").unlink()             # claimed by the launch
-    (ready / "b").mkdir()
+    (ready / "b").mkdir(mode=0o700)
     for pid in (200, 201, 202):
-        (ready / "b" / f"{pid}.json").write_text("{}")
+        beat(ready / "b" / f"{pid}.json")
+    run()
+    for pid in (200, 201, 202):
+        beat(ready / "b" / f"{pid}.json")
     assert run() == [("a", 1), ("b", 2)]
+    # A dead standby's file, however new its time: it does not beat.
     stale = ready / "a" / "101.json"
     stale.write_text("{}")
-    os.utime(stale, (time.time() - 60, time.time() - 60))
-    assert run() == [("a", 1), ("b", 2)]            # a dead standby's file
+    os.utime(stale, (time.time() + 3600,) * 2)
+    run()
+    assert run() == [("a", 1), ("b", 2)]
+    # A folder another user may write counts no standby.
+    run.set_hosts(["a:2", "b:2", "c"])
+    (ready / "c").mkdir(mode=0o700)
+    os.chmod(ready / "c", 0o777)
+    for _ in range(2):
+        beat(ready / "c" / "300.json")
+        assert run() == [("a", 1), ("b", 2)]
 
 
 def test_new_hosts_must_answer_on_the_ssh_port(tmp_path):
@@ -166,16 +187,6 @@ def test_new_hosts_must_answer_on_the_ssh_port(tmp_path):
         assert run(*args) == [("127.0.0.1", 1)]     # 127.0.0.2 does not answer on the port
     finally:
         server.close()
-
-
-def test_parse_hosts_formats_and_errors():
-    assert parse_hosts("a\nb:3\n# c\n\nd slots=2  # four cores\n", 1, "f") == \
-        [("a", 1), ("b", 3), ("d", 2)]
-    assert parse_hosts("a\n", 4, "f") == [("a", 4)]
-    with pytest.raises(ValueError, match=r"f, line 2: expected .* got 'b c'"):
-        parse_hosts("a\nb c\n", 1, "f")
-    with pytest.raises(ValueError, match="slots must be >= 1"):
-        parse_hosts("a:0\n", 1, "f")
 
 
 def test_console_script_prints_host_lines_and_loads_no_torch(tmp_path):
@@ -208,8 +219,24 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert __import__("re").search(message, capsys.readouterr().err)
 
 
-def test_failing_base_command_names_it(tmp_path):
-    args = discover_module.parser().parse_args(
-        ["--command", "echo boom >&2; exit 3", "--state", str(tmp_path / "s")])
-    with pytest.raises(RuntimeError, match="'echo boom >&2; exit 3' failed with exit code 3: boom"):
-        discover_module.discover(args)
+def test_a_failing_base_command_is_named_and_keeps_the_hosts(tmp_path, capsys):
+    state = str(tmp_path / "s")
+
+    def run(command):
+        args = discover_module.parser().parse_args(
+            ["--command", command, "--state", state, "--ssh-port", "0", "--initial-np", "3"])
+        return discover_module.discover(args)
+
+    # Nothing known yet: an error that names the command.
+    with pytest.raises(RuntimeError, match="'echo boom >&2; exit 3' failed with exit code 3: "
+                                           "boom"):
+        run("echo boom >&2; exit 3")
+    assert run("printf 'a\\nb\\nc\\n'") == [("a", 1), ("b", 1), ("c", 1)]
+    capsys.readouterr()
+    # A failure, an empty answer, an answer of garbage only: the hosts stay, with a reason.
+    for command, reason in [("exit 3", "failed with exit code 3"), ("true", ""),
+                            ("echo '-oProxyCommand=x'", "is not a host name")]:
+        assert run(command) == [("a", 1), ("b", 1), ("c", 1)], command
+        err = capsys.readouterr().err
+        assert reason in err and "keeping the current 3 worker(s) on a:1, b:1, c:1" in err
+    assert run("echo a; echo b") == [("a", 1), ("b", 1)]     # an answer: it counts

@@ -36,59 +36,39 @@ takes milliseconds (``benchmarks/RESULTS.md``), the base command's time aside.
 """
 import argparse
 import json
+import math
 import os
-import re
 import sys
 import time
 import zlib
 
+from .._runtime.private_files import (UnsafePathError, read_own_file, user_runtime_folder,
+                                      write_file_atomically)
+from .base import BaseDiscoveryError, base_hosts, valid_host
 from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
 from .ready import ready_count
 
-_LINE = re.compile(r"^\s*([^\s:#]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?\s*$")
+
+def standbys_ready(args, base, seen, now):
+    """``{host: standbys whose heartbeat beats}`` for the base hosts (None without
+    ``--standby-dir``), and the heartbeats seen, to remember for the next run."""
+    if not args.standby_dir:
+        return None, {}
+    ready, kept = {}, {}
+    for host, _ in base:
+        ready[host], host_seen = ready_count(args.standby_dir, host, seen, now)
+        kept.update(host_seen)
+    return ready, kept
 
 
-def parse_hosts(text, default_slots, source):
-    """``[(host, slots)]`` from Horovod's ``host[:slots]`` lines or an MPI host file's
-    ``host slots=N``; blank lines and ``#`` comments are skipped; a host listed twice keeps
-    its first place and its last slot count."""
-    hosts = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0]
-        if not line.strip():
-            continue
-        match = _LINE.match(line)
-        if not match:
-            raise ValueError(f"{source}, line {number}: expected 'host', 'host:slots' or "
-                             f"'host slots=N', got {raw!r}")
-        slots = int(match.group(2) or match.group(3) or default_slots)
-        if slots < 1:
-            raise ValueError(f"{source}, line {number}: slots must be >= 1, got {raw!r}")
-        hosts[match.group(1)] = slots
-    return list(hosts.items())
-
-
-def base_hosts(args):
-    """The base discovery's hosts, in its order."""
-    if args.hostfile:
-        with open(args.hostfile) as f:
-            return parse_hosts(f.read(), args.slots, args.hostfile)
-    import subprocess
-    result = subprocess.run(args.command, shell=True, capture_output=True, text=True,
-                            timeout=args.command_timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"the base discovery {args.command!r} failed with exit code "
-                           f"{result.returncode}: {result.stderr.strip()[-500:]}")
-    return parse_hosts(result.stdout, args.slots, repr(args.command))
-
-
-def candidates(base, previous, args):
+def candidates(base, previous, args, ready=None):
     """Hosts in the order to fill them, with their capacity: last offered (as offered),
-    their spare slots, then new hosts that answer and have standbys ready."""
+    their spare slots, then new hosts that answer and have standbys ready (``ready``:
+    standbys per host, None when every slot counts)."""
     capacity = dict(base)
-    if args.standby_dir:
-        capacity = {host: min(slots, previous.get(host, 0) + ready_count(args.standby_dir, host))
+    if ready is not None:
+        capacity = {host: min(slots, previous.get(host, 0) + ready[host])
                     for host, slots in base}
     kept = [(host, min(slots, capacity[host])) for host, slots in previous.items()
             if host in capacity]
@@ -143,37 +123,74 @@ def target_replicas(args, rule, kept, total, state, now):
 
 
 def default_state_path(args):
-    if args.hints:
-        return args.hints + ".discover.json"
-    import tempfile
-    key = f"{zlib.crc32(repr((args.hostfile, args.command)).encode()):08x}"
-    return os.path.join(tempfile.gettempdir(), f"hvd-adapt-discover-{os.getuid()}-{key}.json")
+    """The state file of this base discovery and hints: in this user's private runtime
+    folder (``$XDG_RUNTIME_DIR``, else a checked 0700 folder in the temp folder)."""
+    key = f"{zlib.crc32(repr((args.hostfile, args.command, args.hints)).encode()):08x}"
+    return os.path.join(user_runtime_folder("discover"), f"{key}.json")
 
 
 def load_state(path):
+    """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
+    {ready file: [mtime_ns, change seen at]}}``; a fresh one where there is no state file
+    or it is not one (the reason on stderr). A file of another user, or one others may
+    write, raises :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
     try:
-        with open(path) as f:
-            state = json.load(f)
-        state["hosts"] = {host: slots for host, slots in state["hosts"]}
-        return state
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return {"hosts": {}}
+        state = json.loads(read_own_file(path, limit=1 << 20))
+        hosts = {host: slots for host, slots in state["hosts"]}
+        if not all(valid_host(h) and type(s) is int and s > 0 for h, s in hosts.items()):
+            raise ValueError("a host or slot count is not valid")
+        changed_at = state.get("changed_at", 0.0)
+        if not _finite(changed_at):
+            raise ValueError(f"changed_at {changed_at!r} is not a number")
+        standbys = state.get("standbys", {})
+        if not all(isinstance(p, str) and isinstance(s, list) and len(s) == 2
+                   and type(s[0]) is int and (s[1] is None or _finite(s[1]))
+                   for p, s in standbys.items()):
+            raise ValueError("a standby heartbeat is not valid")
+        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys}
+    except FileNotFoundError:
+        pass
+    except UnsafePathError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        sys.stderr.write(f"hvd-adapt-discover: ignoring the state file {path}: {e}\n")
+    return {"hosts": {}}
 
 
-def save_state(path, hosts, changed_at):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"hosts": hosts, "changed_at": changed_at}, f)
-    os.replace(tmp, path)
+def _finite(value):
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def save_state(path, hosts, changed_at, standbys):
+    write_file_atomically(path, json.dumps({"hosts": hosts, "changed_at": changed_at,
+                                            "standbys": standbys}).encode())
 
 
 def discover(args, now=None):
-    """One run: the ``[(host, slots)]`` to print (and the state file updated)."""
+    """One run: the ``[(host, slots)]`` to print (and the state file updated). An empty
+    or failed base answer keeps the hosts offered last (a line on stderr says why)."""
     now = time.time() if now is None else now
     rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     state_path = args.state or default_state_path(args)
     state = load_state(state_path)
-    kept, more = candidates(base_hosts(args), state["hosts"], args)
+    previous = list(state["hosts"].items())
+    try:
+        base, problems = base_hosts(args)
+    except BaseDiscoveryError as e:
+        if not previous:
+            raise
+        base, problems = [], [str(e)]
+    for problem in problems:
+        sys.stderr.write(f"hvd-adapt-discover: left out: {problem}\n")
+    if not base and previous:
+        sys.stderr.write(f"hvd-adapt-discover: the base discovery listed no usable host; "
+                         f"keeping the current {sum(s for _, s in previous)} worker(s) on "
+                         f"{', '.join(f'{h}:{s}' for h, s in previous)}\n")
+        save_state(state_path, previous, state.get("changed_at", 0.0),
+                   state.get("standbys", {}))
+        return previous
+    ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now)
+    kept, more = candidates(base, state["hosts"], args, ready)
     total = sum(slots for _, slots in kept + more)
     if args.max_np:
         total = min(total, args.max_np)
@@ -181,11 +198,11 @@ def discover(args, now=None):
     replicas = max(args.min_np, min(replicas, total))
     hosts = merge(assign(kept + more, replicas))
     changed_at = state.get("changed_at", 0.0)
-    if hosts != list(state["hosts"].items()):
+    if hosts != previous:
         changed_at = now
         sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
                          f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
-    save_state(state_path, hosts, changed_at)
+    save_state(state_path, hosts, changed_at, standbys)
     return hosts
 
 
@@ -224,8 +241,9 @@ def parser():
                    help="offer new slots only where a standby worker is ready "
                         "(hvd-adapt-worker --standby)")
     p.add_argument("--state", default=None,
-                   help="where to remember the hosts offered (default: beside --hints, "
-                        "else in the temp folder)")
+                   help="where to remember the hosts offered (default: this user's private "
+                        "runtime folder, $XDG_RUNTIME_DIR/hvd_adapt/discover or "
+                        "<tmp>/hvd_adapt-<uid>/discover)")
     p.add_argument("--stale-after", type=float, default=600.0,
                    help="ignore hints older than this many seconds (default 600)")
     p.add_argument("--hold", type=float, default=30.0,
@@ -264,7 +282,11 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     check(args, p)
-    hosts = discover(args)
+    try:
+        hosts = discover(args)
+    except (BaseDiscoveryError, UnsafePathError) as e:
+        sys.stderr.write(f"hvd-adapt-discover: {e}\n")
+        return 1
     sys.stdout.write("".join(f"{host}:{slots}\n" for host, slots in hosts))
     return 0
 
