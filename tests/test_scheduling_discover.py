@@ -4,12 +4,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import zlib
 
 import pytest
 
 from hvd_adapt.scheduling import discover as discover_module
-from hvd_adapt.scheduling.hints import make_hints, write_hints
+from hvd_adapt.scheduling.base import parse_hosts
+from hvd_adapt.scheduling.hints import HintsError, make_hints, read_hints, write_hints
+from second_user import OTHER_UID, as_other_user, shared_tmp  # noqa: F401 (a fixture)
 
 
 def linear_curve(n, per_worker=1.0):
@@ -240,3 +244,234 @@ def test_a_failing_base_command_is_named_and_keeps_the_hosts(tmp_path, capsys):
         err = capsys.readouterr().err
         assert reason in err and "keeping the current 3 worker(s) on a:1, b:1, c:1" in err
     assert run("echo a; echo b") == [("a", 1), ("b", 1)]     # an answer: it counts
+
+
+HOSTILE_HINTS = [
+    # (what the file holds, what the reason names)
+    ("{", "not JSON"),
+    ("[" * 100000 + "]" * 100000, "not JSON"),                      # nested past the limit
+    (b"\xff\xfe{}", "not JSON"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, []), curve=[1, 2])), "curve must be"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, linear_curve(3)), written_at="now")),
+     "written_at must be"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, linear_curve(3)), replicas=1e308)),
+     "replicas must be"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, [dict(e, speedup="fast")
+                                                     for e in linear_curve(3)]))), "speedup"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, [dict(e, replicas=10 ** 30)
+                                                     for e in linear_curve(3)]))), "replicas"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, [dict(e, goodput=float("nan"))
+                                                     for e in linear_curve(3)]))), "goodput"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, linear_curve(3)),
+                     replica_counts_timed=[True])),
+     "replica_counts_timed must be"),
+    (json.dumps(dict(make_hints(1, 1, [1], 8, None, linear_curve(3)), slots_per_node=0)),
+     "slots_per_node must be"),
+    ("1" * 5000, "not JSON"),                                       # past int's digit limit
+]
+
+
+def test_every_malformed_hints_field_keeps_the_hosts_with_the_reason(tmp_path, capsys):
+    run = Discovery(tmp_path, ["a", "b", "c", "d"], "--initial-np", "2", hints=True)
+    assert run() == [("a", 1), ("b", 1)]
+    for text, reason in HOSTILE_HINTS:
+        with open(run.hints, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode())
+        capsys.readouterr()
+        assert run("--min-np", "1") == [("a", 1), ("b", 1)], text[:100]
+        # The reason is logged where the hosts change; here, call the check directly.
+        with pytest.raises(HintsError, match=reason):
+            read_hints(run.hints)
+
+
+def test_hints_of_another_user_do_not_steer_the_job(tmp_path, shared_tmp):
+    hints = os.path.join(shared_tmp, "hints.json")
+    as_other_user(lambda: write_hints(hints, make_hints(1, 1, [1], 8, None, linear_curve(3))))
+    with pytest.raises(HintsError, match=f"belongs to uid {OTHER_UID}"):
+        read_hints(hints)
+
+
+def test_host_names_that_are_not_names_never_reach_horovod(tmp_path):
+    # Horovod 0.28.1 puts host names unquoted into its ssh command line.
+    (tmp_path / "hosts").write_text("-oProxyCommand=touch${IFS}/tmp/owned\nhost;id\n$(id)\n"
+                                    "good:2\n")
+    command = [sys.executable, "-m", "hvd_adapt.scheduling.discover", "--command",
+               f"cat {tmp_path / 'hosts'}", "--ssh-port", "0", "--state",
+               str(tmp_path / "state.json"), "--initial-np", "2"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "good:2\n", out.stderr
+    for name in ("-oProxyCommand=touch${IFS}/tmp/owned", "host;id", "$(id)"):
+        assert f"{name!r} is not a host name" in out.stderr
+
+
+def test_the_default_state_is_private_to_the_user(tmp_path, shared_tmp, monkeypatch):
+    # The temp folder is shared: another user plants the old predictable state file and
+    # links for its temporary names. The discovery keeps its state in a folder of its own.
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", shared_tmp)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a\nb\n")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.chmod(tmp_path, 0o755)
+    old = os.path.join(shared_tmp, f"hvd-adapt-discover-{os.getuid()}-"
+                                   f"{zlib.crc32(repr((str(hostfile), None)).encode()):08x}.json")
+    me = os.getpid()
+
+    def plant():
+        with open(old, "w") as f:
+            f.write("{}")
+        for pid in range(me - 10, me + 10):
+            os.symlink(victim, f"{old}.{pid}.tmp")
+
+    as_other_user(plant)
+    argv = ["--hostfile", str(hostfile), "--ssh-port", "0"]
+    assert discover_module.main(argv) == 0
+    assert discover_module.main(argv) == 0
+    state = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}", "discover")
+    assert [json.load(open(os.path.join(state, f)))["hosts"] for f in os.listdir(state)] == \
+        [[["a", 1], ["b", 1]]]
+    assert victim.read_text() == "precious"
+
+
+def test_a_runtime_folder_another_user_made_first_is_a_clear_error(shared_tmp, monkeypatch,
+                                                                    tmp_path, capsys):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", shared_tmp)
+    ours = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}")
+    as_other_user(lambda: os.mkdir(ours))
+    (tmp_path / "hosts").write_text("a\n")
+    assert discover_module.main(["--hostfile", str(tmp_path / "hosts"), "--ssh-port", "0"]) == 1
+    assert f"belongs to uid {OTHER_UID}" in capsys.readouterr().err
+
+
+# -- fuzz: hostile hints files and base answers ------------------------------------------
+OPTION_LIKE = ["-oProxyCommand=id", "--help", "-p", "host;id", "$(id)", "`id`", "a b",
+               "h\x00st", "hôst", "ホスト", "a:b:c", "a:-1", "a:99999999999", "a slots=",
+               "a slots=0", ":", "#", "\ufeffa", "a" * 300, "x\ty"]
+
+
+def random_json(rng, depth=0):
+    kind = rng.randrange(10 if depth < 4 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, 1, -1, 2, 7, 10 ** 6, 2 ** 63, -(10 ** 30), 10 ** 300])
+    if kind == 3:
+        return rng.choice([0.0, -0.5, 1e308, -1e308, 5e-324, float("nan"), float("inf"),
+                           float("-inf"), 1.5])
+    if kind in (4, 5):
+        return rng.choice(OPTION_LIKE + ["", "fast", "1", "null", "\u202e", "\ud800"[:0]])
+    if kind in (6, 7):
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(5))]
+    return {rng.choice(["replicas", "speedup", "goodput", "nodes", "x", "version", ""]):
+            random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+def fuzzed_hints(rng, now):
+    """Text of a hints file: valid hints with one field (or entry field) replaced by random
+    JSON, random JSON, deep nesting, or bytes that are not UTF-8."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return json.dumps(random_json(rng), allow_nan=True).encode()
+    if kind == 1:
+        depth = rng.choice([10, 999, 5000, 200000])
+        return (rng.choice(["[", '{"a":']) * depth).encode()
+    if kind == 2:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+    hints = make_hints(2, 1, [1, 2], 8, now, linear_curve(4))
+    hints["written_at"] = now
+    if kind == 3:
+        hints[rng.choice(list(hints))] = random_json(rng)
+    else:
+        entry = rng.choice(hints["curve"])
+        entry[rng.choice(list(entry) + ["extra"])] = random_json(rng)
+    text = json.dumps(hints, allow_nan=True)
+    if kind == 5:                     # sizes: padding, or cut short
+        text = rng.choice([text + " " * rng.randrange(1 << 20), text[:rng.randrange(len(text))]])
+    return text.encode()
+
+
+def fuzzed_base(rng, current):
+    """A base answer (the host file's lines) that lists every current host among random
+    lines, or lists nothing usable at all."""
+    lines = [rng.choice(OPTION_LIKE + [json.dumps(random_json(rng))])
+             for _ in range(rng.randrange(6))]
+    if rng.random() < 0.2:            # nothing usable: random names that happen to be valid out
+        return "\n".join(line for line in lines if not parse_hosts(line, 1, "")[0])
+    for host, slots in current:
+        lines.insert(rng.randrange(len(lines) + 1),
+                     rng.choice([f"{host}:{slots}", f"{host} slots={slots}"]))
+    return "\n".join(lines)
+
+
+def test_fuzzed_hints_and_base_answers_never_crash_or_shrink_the_job(tmp_path, capsys):
+    import random
+    rng = random.Random(34)
+    now = time.time()
+    pool = [f"h{i}" for i in range(6)]
+    checked = 0
+    for case in range(200):
+        folder = tmp_path / str(case)
+        folder.mkdir()
+        current = [(host, rng.randrange(1, 3)) for host in rng.sample(pool, rng.randrange(1, 5))]
+        state, hints, hostfile = folder / "state.json", folder / "hints.json", folder / "hosts"
+        state.write_text(json.dumps({"hosts": current, "changed_at": now - 1000}))
+        hints.write_bytes(fuzzed_hints(rng, now))
+        hostfile.write_bytes(fuzzed_base(rng, current).encode(errors="surrogateescape"))
+        try:
+            read_hints(str(hints))
+            bad_hints = False
+        except HintsError:
+            bad_hints = True
+        argv = ["--hostfile", str(hostfile), "--hints", str(hints), "--state", str(state),
+                "--ssh-port", "0", "--hold", "0", "--min-np", "1", "--max-np", "64"]
+        if rng.random() < 0.3:        # the same answer from a command that may fail
+            argv[:2] = ["--command", f"cat {hostfile}; exit {rng.choice([0, 0, 1, 3])}"]
+        capsys.readouterr()
+        assert discover_module.main(argv) == 0, capsys.readouterr().err
+        offered = dict(parse_lines(capsys.readouterr().out))
+        if bad_hints:
+            checked += 1
+            assert all(offered.get(host, 0) >= slots for host, slots in current), \
+                (case, current, offered)
+    assert checked >= 150, checked
+
+
+def parse_lines(out):
+    return [(line.split(":")[0], int(line.split(":")[1])) for line in out.splitlines()]
+
+
+def test_a_base_command_past_its_timeout_is_killed_whole_and_an_answer_is_an_answer(
+        tmp_path, capsys):
+    pids = tmp_path / "pids"
+
+    def run(command):
+        args = discover_module.parser().parse_args(
+            ["--command", command, "--command-timeout", "2", "--ssh-port", "0",
+             "--state", str(tmp_path / "state.json"), "--initial-np", "2"])
+        return discover_module.discover(args)
+
+    # It answers at once, but leaves a child that holds its output: not a timeout.
+    assert run(f"echo a; echo b; sleep 300 & echo $! >> {pids}") == [("a", 1), ("b", 1)]
+    # It never answers: its shell and every child are killed, the hosts stay.
+    assert run(f"sh -c 'echo $$ >> {pids}; exec sleep 300' & echo $! >> {pids}; wait") == \
+        [("a", 1), ("b", 1)]
+    assert "did not answer within 2 s" in capsys.readouterr().err
+    started = [int(p) for p in pids.read_text().split()]
+    os.kill(started[0], 9)                        # the first run's child: ours to clean up
+    for _ in range(200):
+        if not any(alive(pid) for pid in started):
+            break
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in started), started
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

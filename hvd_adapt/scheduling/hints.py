@@ -134,7 +134,8 @@ def _schema_problem(hints):
         bad = [k for k in CURVE_KEYS if k != "replicas"
                and not (_is_number(entry[k]) and entry[k] >= 0)]
         if bad:
-            return f"a curve entry's {', '.join(bad)} must be finite numbers >= 0: {_show(entry)}"
+            return (f"a curve entry's {', '.join(bad)} must be a finite number >= 0: "
+                    f"{_show(entry)}")
     return None
 
 
