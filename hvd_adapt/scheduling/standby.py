@@ -172,10 +172,11 @@ def _die_with_parent(parent):
     pr_set_pdeathsig = 1
 
     def preexec():
+        # An exception here ends the child before the script starts (Popen reports it).
         if prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(126)
-        if os.getppid() != parent:      # died before the prctl: nothing would signal us
-            os._exit(126)
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            raise ChildProcessError("the supervisor died before the script started")
     return preexec
 
 
