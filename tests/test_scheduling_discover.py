@@ -475,3 +475,13 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_state_file_that_cannot_be_written_costs_the_memory_not_the_answer(tmp_path,
+                                                                           capsys):
+    (tmp_path / "hosts").write_text("a\n")
+    argv = ["--hostfile", str(tmp_path / "hosts"), "--ssh-port", "0",
+            "--state", str(tmp_path / "missing" / "state.json")]
+    assert discover_module.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "a:1\n" and "cannot save the state file" in err

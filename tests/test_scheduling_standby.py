@@ -199,7 +199,8 @@ def test_a_heartbeat_is_judged_by_changes_the_reader_saw_not_by_clocks(tmp_path)
     count, seen = ready.ready_count(str(tmp_path), "h", seen, now=102.0 + ready.FRESH_SECONDS)
     assert count == 0                               # it stopped beating
     live.unlink()
-    assert ready.ready_count(str(tmp_path), "h", seen, now=103.0) == (0, {str(dead): seen[str(dead)]})
+    assert ready.ready_count(str(tmp_path), "h", seen, now=103.0) == \
+        (0, {str(dead): seen[str(dead)]})
     assert ready.ready_count(str(tmp_path), "absent", {}, now=0.0) == (0, {})
 
 

@@ -95,12 +95,16 @@ def run_command(command, timeout):
                             start_new_session=True)
     output = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     deadline = time.monotonic() + timeout
-    exited = os.pidfd_open(proc.pid)
+    try:
+        exited = os.pidfd_open(proc.pid)    # readable once the command's process ended
+    except (AttributeError, OSError):       # Linux < 5.3: look every 10 ms instead
+        exited = None
     try:
         # The command ends when its process does, not when every copy of its output pipes
         # is closed: a background child it started may hold them for as long as it likes.
         with selectors.DefaultSelector() as selector:
-            selector.register(exited, selectors.EVENT_READ)
+            if exited is not None:
+                selector.register(exited, selectors.EVENT_READ)
             for pipe in output:
                 os.set_blocking(pipe.fileno(), False)
                 selector.register(pipe, selectors.EVENT_READ)
@@ -110,7 +114,7 @@ def run_command(command, timeout):
                     raise BaseDiscoveryError(f"the base discovery {command!r} did not answer "
                                              f"within {timeout:g} s (its processes were "
                                              f"killed)")
-                for key, _ in selector.select(left):
+                for key, _ in selector.select(left if exited is not None else min(left, 0.01)):
                     if key.fileobj != exited and not _read(key.fileobj, output[key.fileobj]):
                         selector.unregister(key.fileobj)
         for pipe, data in output.items():
@@ -119,7 +123,8 @@ def run_command(command, timeout):
         _kill_group(proc)
         raise
     finally:
-        os.close(exited)
+        if exited is not None:
+            os.close(exited)
         for pipe in output:
             pipe.close()
     out, err = (data.decode(errors="replace") for data in output.values())

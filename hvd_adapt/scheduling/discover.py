@@ -162,8 +162,13 @@ def _finite(value):
 
 
 def save_state(path, hosts, changed_at, standbys):
-    write_file_atomically(path, json.dumps({"hosts": hosts, "changed_at": changed_at,
-                                            "standbys": standbys}).encode())
+    """Remember this run's answer; a failed write (a full disk) costs the memory, not the
+    answer: a line on stderr, and the run goes on."""
+    try:
+        write_file_atomically(path, json.dumps({"hosts": hosts, "changed_at": changed_at,
+                                                "standbys": standbys}).encode())
+    except OSError as e:
+        sys.stderr.write(f"hvd-adapt-discover: cannot save the state file: {e}\n")
 
 
 def discover(args, now=None):
@@ -284,7 +289,7 @@ def main(argv=None):
     check(args, p)
     try:
         hosts = discover(args)
-    except (BaseDiscoveryError, UnsafePathError) as e:
+    except (BaseDiscoveryError, OSError) as e:    # OSError: the state file (UnsafePathError)
         sys.stderr.write(f"hvd-adapt-discover: {e}\n")
         return 1
     sys.stdout.write("".join(f"{host}:{slots}\n" for host, slots in hosts))
