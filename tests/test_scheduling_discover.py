@@ -328,10 +328,10 @@ def test_the_default_state_is_private_to_the_user(tmp_path, shared_tmp, monkeypa
     argv = ["--hostfile", str(hostfile), "--ssh-port", "0"]
     assert discover_module.main(argv) == 0
     assert discover_module.main(argv) == 0
+    assert victim.read_text() == "precious"
     state = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}", "discover")
     assert [json.load(open(os.path.join(state, f)))["hosts"] for f in os.listdir(state)] == \
         [[["a", 1], ["b", 1]]]
-    assert victim.read_text() == "precious"
 
 
 def test_a_runtime_folder_another_user_made_first_is_a_clear_error(shared_tmp, monkeypatch,
