@@ -139,7 +139,7 @@ def test_no_resize_within_hold_seconds_of_the_last(tmp_path):
     assert len(run(now=now + 62)) == 3
 
 
-def test_standby_dir_limits_new_slots_to_ready_standbys(tmp_path):
+def test_standby_dir_limits_new_slots_to_ready_standbys(tmp_path, capsys):
     ready = tmp_path / "standby"
     run = Discovery(tmp_path, ["a:2", "b:2"], "--standby-dir", str(ready), "--initial-np", "1")
 
@@ -177,6 +177,7 @@ def test_standby_dir_limits_new_slots_to_ready_standbys(tmp_path):
     for _ in range(2):
         beat(ready / "c" / "300.json")
         assert run() == [("a", 1), ("b", 2)]
+    assert "counting no standby on c: " in capsys.readouterr().err
 
 
 def test_new_hosts_must_answer_on_the_ssh_port(tmp_path):

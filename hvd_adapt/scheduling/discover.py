@@ -57,7 +57,11 @@ def standbys_ready(args, base, seen, now):
         return None, {}
     ready, kept = {}, {}
     for host, _ in base:
-        ready[host], host_seen = ready_count(args.standby_dir, host, seen, now)
+        try:
+            ready[host], host_seen = ready_count(args.standby_dir, host, seen, now)
+        except OSError as e:    # UnsafePathError among them: another user could plant files
+            sys.stderr.write(f"hvd-adapt-discover: counting no standby on {host}: {e}\n")
+            ready[host], host_seen = 0, {}
         kept.update(host_seen)
     return ready, kept
 

@@ -63,13 +63,10 @@ def ready_count(folder, host, seen, now):
     """How many of ``host``'s standbys beat, judged on this reader's clock ``now`` and what
     it saw before: ``seen`` maps a ready file to ``[mtime_ns, last change seen at]`` (the
     second None until a change is seen). Returns the count and the ``seen`` entries to keep
-    for the next call (files that are gone are forgotten)."""
+    for the next call (files that are gone are forgotten). A host folder other users may
+    write raises :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
     count, kept = 0, {}
-    try:
-        paths = ready_files(folder, host)
-    except (OSError, UnsafePathError):
-        return 0, {}
-    for path in paths:
+    for path in ready_files(folder, host):
         try:
             mtime = os.stat(path).st_mtime_ns
         except FileNotFoundError:
