@@ -1,6 +1,7 @@
 """The one helper for files in shared places: owner and mode checked, no link followed,
 files created exclusively; a second local user (``nobody``) plants what it can."""
 import os
+import tempfile
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_a_folder_another_user_made_first_is_refused(shared_tmp):
 
 def test_the_runtime_folder_is_per_user_and_checked(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setattr(pf.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = pf.user_runtime_folder("discover")
     assert folder == str(tmp_path / f"hvd_adapt-{os.geteuid()}" / "discover")
     os.chmod(tmp_path / f"hvd_adapt-{os.geteuid()}", 0o777)

@@ -19,7 +19,6 @@ b'{}'
 import errno
 import os
 import stat
-import tempfile
 
 
 class UnsafePathError(PermissionError):
@@ -72,6 +71,7 @@ def user_runtime_folder(name):
                 return private_folder(os.path.join(runtime, "hvd_adapt", name))
         except (OSError, UnsafePathError):
             pass
+    import tempfile     # only here: hvd-adapt-discover runs every second, tempfile loads random
     top = private_folder(os.path.join(tempfile.gettempdir(), f"hvd_adapt-{os.geteuid()}"))
     return private_folder(os.path.join(top, name))
 

@@ -23,12 +23,9 @@ Standard library only.
 >>> problems
 ["f, line 3: '-oProxyCommand=x' is not a host name (RFC 1123 names and IPv4 addresses only)"]
 """
-import ipaddress
 import os
 import re
-import selectors
 import signal
-import subprocess
 import time
 
 MAX_SLOTS = 4096
@@ -46,13 +43,9 @@ class BaseDiscoveryError(RuntimeError):
 def valid_host(name):
     """True for an RFC 1123 host name or an IPv4 address: what can go into an ssh command
     line unquoted."""
+    # A dotted IPv4 address is such a name too: digits in dot-separated labels.
     if not isinstance(name, str) or not 0 < len(name) <= 253 or not name.isascii():
         return False
-    try:
-        ipaddress.IPv4Address(name)
-        return True
-    except ValueError:
-        pass
     return all(_LABEL.match(label) for label in name.rstrip(".").split("."))
 
 
@@ -90,6 +83,8 @@ def run_command(command, timeout):
     """What the shell ``command`` printed (stdout, stderr) once it exited; raises
     :class:`BaseDiscoveryError` when it fails or is still running after ``timeout``
     seconds, after killing its whole process group."""
+    import selectors        # the base command's needs: a host file reads without them
+    import subprocess
     proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
