@@ -26,7 +26,13 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    steps are slow), and while the hints are older than ``--stale-after``
    seconds;
 4. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
-   small state file (``--state``), for the next run.
+   small state file (``--state``; by default in this user's private runtime
+   folder), for the next run.
+
+Bad input keeps what it knows: an empty, failed or timed-out base answer
+(:mod:`.base`) and hints that fail their schema check keep the hosts last
+offered, with the reason on standard error; a host name that is not one is
+reported and dropped.
 
 A host it stops offering leaves the job as any removed host does: Horovod
 interrupts the workers at their next commit (``HostsUpdatedInterrupt``) and

@@ -11,7 +11,8 @@ a cluster. A standby does that start-up before the host is offered:
    :func:`wait_for_handover`); then the standby writes ``DIR/<host>/<pid>.json``
    and keeps its modification time fresh (a heartbeat) while it waits.
 2. ``hvd-adapt-discover --standby-dir DIR`` offers a new host only once it
-   has such a file, so the survivors train on until the worker is ready.
+   has such a file whose heartbeat it has seen beat (:mod:`.ready`), so the
+   survivors train on until the worker is ready.
 3. Horovod launches ``hvd-adapt-worker --standby-dir DIR -- python train.py ...``
    for the slot: this launch stub (standard library only, milliseconds to
    start) claims the standby (an atomic rename of its file), passes it the
