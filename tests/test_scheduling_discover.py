@@ -238,12 +238,16 @@ def test_a_failing_base_command_is_named_and_keeps_the_hosts(tmp_path, capsys):
         run("echo boom >&2; exit 3")
     assert run("printf 'a\\nb\\nc\\n'") == [("a", 1), ("b", 1), ("c", 1)]
     capsys.readouterr()
-    # A failure, an empty answer, an answer of garbage only: the hosts stay, with a reason.
+    # A failure, an empty answer, an answer of garbage only: the hosts stay, with a reason,
+    # said once while it lasts (Horovod runs the discovery every second).
     for command, reason in [("exit 3", "failed with exit code 3"), ("true", ""),
                             ("echo '-oProxyCommand=x'", "is not a host name")]:
         assert run(command) == [("a", 1), ("b", 1), ("c", 1)], command
         err = capsys.readouterr().err
         assert reason in err and "keeping the current 3 worker(s) on a:1, b:1, c:1" in err
+        assert run(command) == [("a", 1), ("b", 1), ("c", 1)], command
+        assert capsys.readouterr().err == ""
+        run("printf 'a\\nb\\nc\\n'")
     assert run("echo a; echo b") == [("a", 1), ("b", 1)]     # an answer: it counts
 
 
@@ -280,7 +284,8 @@ def test_every_malformed_hints_field_keeps_the_hosts_with_the_reason(tmp_path, c
             f.write(text if isinstance(text, bytes) else text.encode())
         capsys.readouterr()
         assert run("--min-np", "1") == [("a", 1), ("b", 1)], text[:100]
-        # The reason is logged where the hosts change; here, call the check directly.
+        err = capsys.readouterr().err
+        assert "unreadable hints" in err and "keeping the current hosts" in err, err
         with pytest.raises(HintsError, match=reason):
             read_hints(run.hints)
 

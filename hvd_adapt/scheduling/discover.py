@@ -56,9 +56,10 @@ from .rule import DiscoveryRule, assign
 from .ready import ready_count
 
 
-def standbys_ready(args, base, seen, now):
+def standbys_ready(args, base, seen, now, problems):
     """``{host: standbys whose heartbeat beats}`` for the base hosts (None without
-    ``--standby-dir``), and the heartbeats seen, to remember for the next run."""
+    ``--standby-dir``), and the heartbeats seen, to remember for the next run; a host
+    folder it cannot trust adds to ``problems``."""
     if not args.standby_dir:
         return None, {}
     ready, kept = {}, {}
@@ -66,7 +67,7 @@ def standbys_ready(args, base, seen, now):
         try:
             ready[host], host_seen = ready_count(args.standby_dir, host, seen, now)
         except OSError as e:    # UnsafePathError among them: another user could plant files
-            sys.stderr.write(f"hvd-adapt-discover: counting no standby on {host}: {e}\n")
+            problems.append(f"counting no standby on {host}: {e}")
             ready[host], host_seen = 0, {}
         kept.update(host_seen)
     return ready, kept
@@ -141,7 +142,7 @@ def default_state_path(args):
 
 def load_state(path):
     """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
-    {ready file: [mtime_ns, change seen at]}}``; a fresh one where there is no state file
+    {ready file: [mtime_ns, change seen at]}, "said": [problems said]}``; a fresh one where there is no state file
     or it is not one (the reason on stderr). A file of another user, or one others may
     write, raises :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
     try:
@@ -157,7 +158,10 @@ def load_state(path):
                    and type(s[0]) is int and (s[1] is None or _finite(s[1]))
                    for p, s in standbys.items()):
             raise ValueError("a standby heartbeat is not valid")
-        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys}
+        said = state.get("said", [])
+        if not (isinstance(said, list) and all(isinstance(p, str) for p in said)):
+            raise ValueError("the problems said are not a list of strings")
+        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said}
     except FileNotFoundError:
         pass
     except UnsafePathError:
@@ -171,54 +175,67 @@ def _finite(value):
     return type(value) in (int, float) and math.isfinite(value)
 
 
-def save_state(path, hosts, changed_at, standbys):
-    """Remember this run's answer; a failed write (a full disk) costs the memory, not the
-    answer: a line on stderr, and the run goes on."""
+def save_state(path, hosts, changed_at, standbys, said=()):
+    """Remember this run's answer (and the problems it said); a failed write (a full disk)
+    costs the memory, not the answer: a line on stderr, and the run goes on."""
     try:
         write_file_atomically(path, json.dumps({"hosts": hosts, "changed_at": changed_at,
-                                                "standbys": standbys}).encode())
+                                                "standbys": standbys,
+                                                "said": list(said)}).encode())
     except OSError as e:
         sys.stderr.write(f"hvd-adapt-discover: cannot save the state file: {e}\n")
 
 
 def discover(args, now=None):
     """One run: the ``[(host, slots)]`` to print (and the state file updated). An empty
-    or failed base answer keeps the hosts offered last (a line on stderr says why)."""
+    or failed base answer keeps the hosts offered last, as do unreadable hints; each
+    problem is said on stderr once, while it lasts (Horovod runs this every second)."""
     now = time.time() if now is None else now
     rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     state_path = args.state or default_state_path(args)
     state = load_state(state_path)
     previous = list(state["hosts"].items())
+    problems = []
     try:
-        base, problems = base_hosts(args)
+        base, left_out = base_hosts(args)
     except BaseDiscoveryError as e:
         if not previous:
             raise
-        base, problems = [], [str(e)]
-    for problem in problems:
-        sys.stderr.write(f"hvd-adapt-discover: left out: {problem}\n")
+        base, left_out = [], [str(e)]
+    problems += [f"left out: {problem}" for problem in left_out]
     if not base and previous:
-        sys.stderr.write(f"hvd-adapt-discover: the base discovery listed no usable host; "
-                         f"keeping the current {sum(s for _, s in previous)} worker(s) on "
-                         f"{', '.join(f'{h}:{s}' for h, s in previous)}\n")
+        problems.append(f"the base discovery listed no usable host; keeping the current "
+                        f"{sum(s for _, s in previous)} worker(s) on "
+                        f"{', '.join(f'{h}:{s}' for h, s in previous)}")
+        say_new(problems, state)
         save_state(state_path, previous, state.get("changed_at", 0.0),
-                   state.get("standbys", {}))
+                   state.get("standbys", {}), problems)
         return previous
-    ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now)
+    ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now, problems)
     kept, more = candidates(base, state["hosts"], args, ready)
     total = sum(slots for _, slots in kept + more)
     if args.max_np:
         total = min(total, args.max_np)
     replicas, why = target_replicas(args, rule, kept, total, state, now)
+    if why.startswith("unreadable hints"):
+        problems.append(f"{why}; keeping the current hosts")
     replicas = max(args.min_np, min(replicas, total))
     hosts = merge(assign(kept + more, replicas))
     changed_at = state.get("changed_at", 0.0)
+    say_new(problems, state)
     if hosts != previous:
         changed_at = now
         sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
                          f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
-    save_state(state_path, hosts, changed_at, standbys)
+    save_state(state_path, hosts, changed_at, standbys, problems)
     return hosts
+
+
+def say_new(problems, state):
+    """Write the ``problems`` the last run did not already say to stderr."""
+    for problem in problems:
+        if problem not in state.get("said", ()):
+            sys.stderr.write(f"hvd-adapt-discover: {problem}\n")
 
 
 def parser():

@@ -391,6 +391,8 @@ def _claim(path, command):
         return None             # another stub was first
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        # A standby that cannot take the connection within CLAIM_SECONDS is not one to wait for.
+        connection.settimeout(CLAIM_SECONDS)
         try:
             connection.connect(info["socket"])
         except ConnectionRefusedError:
@@ -405,6 +407,7 @@ def _claim(path, command):
     except BaseException:
         connection.close()
         raise
+    connection.settimeout(None)
     return connection
 
 
