@@ -243,9 +243,9 @@ def test_a_supervisor_refuses_a_standby_folder_others_may_write(tmp_path):
     assert "writable by other users" in out.stderr and str(tmp_path / "h") in out.stderr
 
 
-def listen_and_record(folder, command, pid, record):
-    """A fake standby in ``folder``: a ready file for ``command`` naming ``pid``, a socket
-    that writes ``record`` when anything connects."""
+def fake_standby(folder, command, pid):
+    """A fake standby in ``folder``: a ready file for ``command`` naming ``pid``, and the
+    listening socket it names (returned with its address)."""
     import socket
     address = os.path.join(folder, f"{pid}.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -270,16 +270,16 @@ def test_another_user_cannot_take_a_slot(setup, shared_tmp, folder_owner):
         os.mkdir(host)
         os.chmod(host, 0o777)             # ours, but others may write it
 
-    def fake_standby():
+    def hijack():
         if folder_owner == "other":
             os.mkdir(host)
             os.chmod(host, 0o777)
-        server, _ = listen_and_record(host, command, os.getpid(), hijacked)
+        server, _ = fake_standby(host, command, os.getpid())
         open(os.path.join(shared_tmp, "planted"), "w").close()
         connection, _ = server.accept()
         open(hijacked, "w").write(repr(connection.recv(1 << 16)))
 
-    with other_user_running(fake_standby):
+    with other_user_running(hijack):
         deadline = time.time() + 30
         while not os.path.exists(os.path.join(shared_tmp, "planted")):
             assert time.time() < deadline, "the second user never planted its file"
@@ -305,9 +305,17 @@ def test_a_claim_that_fails_in_any_way_starts_cold(setup):
     folder.mkdir(parents=True, mode=0o700)
     (folder / "1.json").write_text("[")
     (folder / "2.json").write_text(json.dumps({"socket": 5, "pid": "x", "command": command}))
-    server, address = listen_and_record(str(folder), command, 1, None)
+    server, address = fake_standby(str(folder), command, 5)
     os.chmod(address, 0o600)
-    os.chmod(folder / "1.json", 0o600)
+    os.chmod(folder / "5.json", 0o600)
+    # Two killed standbys' files: one whose socket is gone, one whose socket nobody serves.
+    (folder / "3.json").write_text(json.dumps({"socket": str(tmp_path / "gone.sock"), "pid": 3,
+                                               "command": command}))
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(tmp_path / "dead.sock"))
+    dead.close()
+    (folder / "4.json").write_text(json.dumps({"socket": str(tmp_path / "dead.sock"), "pid": 4,
+                                               "command": command}))
     with server:
         stub = launch({"FOO": "cold"})
         server.settimeout(30)
@@ -319,3 +327,6 @@ def test_a_claim_that_fails_in_any_way_starts_cold(setup):
         out, err = stub.communicate(timeout=60)
     assert stub.returncode == 3 and out.startswith("FOO=cold"), err
     assert "is served by pid" in err and "not a ready file" in err and "starting cold" in err
+    assert "1.json: Expecting value" in err
+    # The killed standbys' files are cleared away; the others are left for their owners.
+    assert sorted(os.listdir(folder)) == ["1.json", "2.json", "5.claimed", "5.sock"]
