@@ -12,7 +12,8 @@ import time
 import pytest
 
 from hvd_adapt.scheduling import ready, standby
-from second_user import OTHER_UID, other_user_running, shared_tmp  # noqa: F401 (a fixture)
+from second_user import (OTHER_UID, as_other_user, other_user_running,  # noqa: F401
+                         shared_tmp)
 
 WORKER = [sys.executable, "-m", "hvd_adapt.scheduling.standby"]
 
@@ -233,14 +234,25 @@ def test_a_killed_supervisor_takes_the_script_with_it(setup):
     assert not alive(pid), "the script outlived its supervisor"
 
 
-def test_a_supervisor_refuses_a_standby_folder_others_may_write(tmp_path):
+def test_a_supervisor_refuses_folders_others_may_write(tmp_path, shared_tmp):
+    def supervise(env):
+        return subprocess.run(WORKER + ["--standby", "--standby-dir", str(tmp_path), "--host",
+                                        "h", "--", sys.executable, "-c", "print('ran')"],
+                              capture_output=True, text=True, timeout=60, env=env)
+
     (tmp_path / "h").mkdir()
     os.chmod(tmp_path / "h", 0o777)
-    out = subprocess.run(WORKER + ["--standby", "--standby-dir", str(tmp_path), "--host", "h",
-                                   "--", sys.executable, "-c", "print('ran')"],
-                         capture_output=True, text=True, timeout=60)
+    out = supervise(os.environ)
     assert out.returncode == 2 and "ran" not in out.stdout
     assert "writable by other users" in out.stderr and str(tmp_path / "h") in out.stderr
+    # The runtime folder of its socket, made first by another user in a shared temp folder.
+    os.chmod(tmp_path / "h", 0o700)
+    runtime = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}")
+    as_other_user(lambda: os.mkdir(runtime))
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    out = supervise(dict(env, TMPDIR=shared_tmp))
+    assert out.returncode == 2 and "ran" not in out.stdout
+    assert f"{runtime} belongs to uid {OTHER_UID}" in out.stderr, out.stderr
 
 
 def fake_standby(folder, command, pid):

@@ -199,8 +199,10 @@ class Supervisor:
         """Returns the exit code to leave with."""
         try:
             private_folder(self.folder)
-        except (OSError, UnsafePathError) as e:
-            log.error("standby: cannot use the standby folder: %s", e)
+            # The socket lives in this user's private runtime folder: no other user reaches it.
+            sockets = user_runtime_folder("standby")
+        except OSError as e:        # UnsafePathError among them: names the folder and why
+            log.error("standby: cannot use %s", e)
             return 2
         ours, theirs = socket.socketpair()
         env = dict(os.environ, **{ENV_FD: str(theirs.fileno())})
@@ -217,9 +219,7 @@ class Supervisor:
                       "a standby's script must call hvd_adapt.init()",
                       " ".join(self.command), code)
             return code or 1
-        # The socket lives in this user's private runtime folder: no other user can reach it.
-        address = os.path.join(user_runtime_folder("standby"),
-                               f"{os.getpid()}-{os.urandom(4).hex()}.sock")
+        address = os.path.join(sockets, f"{os.getpid()}-{os.urandom(4).hex()}.sock")
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
                 server.bind(address)
