@@ -342,3 +342,26 @@ def test_a_claim_that_fails_in_any_way_starts_cold(setup):
     assert "1.json: Expecting value" in err
     # The killed standbys' files are cleared away; the others are left for their owners.
     assert sorted(os.listdir(folder)) == ["1.json", "2.json", "5.claimed", "5.sock"]
+
+
+def test_a_ready_file_that_cannot_be_written_ends_the_standby_and_its_script(tmp_path):
+    # A full disk for the supervisor once its script runs, as RLIMIT_FSIZE gives it: every
+    # write past 0 bytes fails (EFBIG; Python ignores SIGXFSZ).
+    import resource
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    supervisor = subprocess.Popen(
+        WORKER + ["--standby", "--standby-dir", str(tmp_path / "ready"), "--host", "h", "--",
+                  sys.executable, str(script), str(tmp_path / "pid")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = f"/proc/{supervisor.pid}/task/{supervisor.pid}/children"
+    deadline = time.time() + 60
+    while not open(children).read().split():
+        assert time.time() < deadline and supervisor.poll() is None, "no script started"
+        time.sleep(0.01)
+    script_pid = int(open(children).read().split()[0])
+    resource.prlimit(supervisor.pid, resource.RLIMIT_FSIZE, (0, 0))
+    _, err = supervisor.communicate(timeout=120)
+    assert supervisor.returncode == 1 and "cannot publish" in err, err
+    assert os.listdir(tmp_path / "ready" / "h") == []
+    assert not alive(script_pid)

@@ -202,7 +202,7 @@ class Supervisor:
             # The socket lives in this user's private runtime folder: no other user reaches it.
             sockets = user_runtime_folder("standby")
         except OSError as e:        # UnsafePathError among them: names the folder and why
-            log.error("standby: cannot use %s", e)
+            log.error("standby: cannot use the standby folder or the runtime folder: %s", e)
             return 2
         ours, theirs = socket.socketpair()
         env = dict(os.environ, **{ENV_FD: str(theirs.fileno())})
@@ -226,7 +226,13 @@ class Supervisor:
                 os.chmod(address, 0o600)
                 server.listen(4)
                 server.settimeout(HEARTBEAT_SECONDS)
-                self._publish(address)
+                try:
+                    self._publish(address)
+                except OSError as e:    # a full disk: no standby, and no script left behind
+                    log.error("standby: cannot publish %s: %s", self.ready_path, e)
+                    self.child.kill()
+                    self.child.wait()
+                    return 1
                 connection = self._accept(server)
         finally:
             os.unlink(address)
