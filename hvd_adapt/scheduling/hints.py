@@ -2,7 +2,10 @@
 
 Rank 0 rewrites it after every batch-size decision (``HVD_ADAPT_HINTS``, or
 ``autoscale_batch_size(hints_path=...)``); ``hvd-adapt-discover`` and any
-scheduler read it. The standard library reads it: no torch, no numpy.
+scheduler of the job's user read it. The standard library reads it: no
+torch, no numpy. Whoever may write the file steers how many workers the job
+gets, so :func:`read_hints` takes only a regular file of its own user that
+no one else may write, and checks every field's type and range.
 
 Format, version 1 (every key always present)::
 
