@@ -50,6 +50,12 @@ def private_folder(path, mode=0o700):
         os.makedirs(path, mode=mode)
     except FileExistsError:
         pass
+    return check_private_folder(path)
+
+
+def check_private_folder(path):
+    """Check, without creating it, that ``path`` is a real folder (not a symlink), ours and
+    writable by no one else (``FileNotFoundError`` where it is missing). Returns ``path``."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"{path} is not a folder (a symlink or a file): refusing to use it")

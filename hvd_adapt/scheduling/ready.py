@@ -3,7 +3,8 @@
 A standby (:mod:`hvd_adapt.scheduling.standby`) writes its file once booted
 and touches it every second while it waits; the launch stub claims it by
 renaming it. ``hvd-adapt-discover`` counts the live ones every second, so
-this module is the standard library's ``glob``, ``os`` and ``stat`` only.
+this module is the standard library's ``glob`` and ``os`` only (and the checks
+of :mod:`hvd_adapt._runtime.private_files`).
 
 A heartbeat is judged without comparing clocks: the modification time of a
 ready file is set by whichever clock the file system uses (an NFS server's,
@@ -25,9 +26,8 @@ besides.
 """
 import glob
 import os
-import stat
 
-from .._runtime.private_files import UnsafePathError, check_owned
+from .._runtime.private_files import check_private_folder
 
 # A ready file whose heartbeat the reader has not seen change for this long is a dead standby's.
 FRESH_SECONDS = 5.0
@@ -38,16 +38,11 @@ def host_folder(folder, host):
     Raises ``FileNotFoundError`` when it is missing and
     :class:`~hvd_adapt._runtime.private_files.UnsafePathError` (naming the owner and mode)
     when another user could plant files in it."""
-    path = os.path.join(folder, host)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError(f"{path} is not a folder (a symlink or a file): refusing to use it")
-    check_owned(st, path)
-    return path
+    return check_private_folder(os.path.join(folder, host))
 
 
 def ready_files(folder, host):
-    """Every ready file of ``host``'s standbys under ``folder``, oldest pid name first; []
+    """Every ready file of ``host``'s standbys under ``folder``, in name order; []
     when the host has no folder. Whether a standby is alive its socket tells (the stub
     connects); :func:`ready_count` judges heartbeats. Raises
     :class:`~hvd_adapt._runtime.private_files.UnsafePathError` for a folder other users

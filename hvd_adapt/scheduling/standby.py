@@ -339,7 +339,7 @@ def hand_over(folder, host, command, passed=()):
     (:func:`slot_environment` with ``passed``) goes to the standby."""
     try:
         paths = ready_files(folder, host)
-    except (OSError, UnsafePathError) as e:
+    except OSError as e:        # UnsafePathError among them: a folder others may write
         _warn(f"not using the standby folder: {e}")
         return None
     for path in paths:
@@ -386,7 +386,7 @@ def _claim(path, command):
     try:
         st = os.lstat(info["socket"])
     except FileNotFoundError:
-        _remove(path)           # a killed standby's file: its socket went with its folder
+        _remove(path)           # its standby ended and its socket with it: the file is stale
         return None
     if not stat.S_ISSOCK(st.st_mode):
         raise UnsafePathError(f"{info['socket']} is not a socket")
