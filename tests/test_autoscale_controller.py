@@ -63,3 +63,18 @@ def test_cycles_close_every_accumulation_steps_and_at_the_end_of_a_plan():
         controller.next_micro_step(last_of_plan=i == 5)
         flags.append(controller.is_optim_step())
     assert flags == [False, False, False, True, False, True]
+
+
+def test_a_world_the_bounds_cannot_hold_in_is_refused_or_logged_with_the_numbers(caplog):
+    loader = AdaptiveDataLoader(Indices(), batch_size=256)
+    # Made here (one replica), the impossible setting is refused, naming the numbers ...
+    with pytest.raises(ValueError, match=r"16 x 1 replica\(s\) = 16; the batch stays at 16"):
+        loader.autoscale_batch_size(1024, local_bsz_bounds=(4, 16), gradient_accumulation=False)
+    # ... made for another world (as after a resize), the decision logs what gives way.
+    controller = Controller(init_batch_size=256)
+    controller.configure(AutoscalePolicy.create(256, 1024, (4, 16)))
+    with caplog.at_level(logging.WARNING, logger="hvd_adapt"):
+        controller.decide()
+    assert controller.local_bsz == 16
+    assert "cannot reach batch_size 256 (less rounding) without gradient accumulation" \
+        in caplog.text

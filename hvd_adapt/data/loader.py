@@ -179,7 +179,8 @@ class AdaptiveDataLoader(Participant):
         cluster scheduler to offer the job only the workers that pay.
         """
         policy = AutoscalePolicy.create(self.batch_size, max_batch_size, local_bsz_bounds,
-                                        gradient_accumulation, decide_every)
+                                        gradient_accumulation, decide_every,
+                                        env.size() if env.initialized() else None)
         check_bool("epochs_by_progress", epochs_by_progress)
         check_int("hints_max_replicas", hints_max_replicas, 1)
         hints_path = hints_path or os.environ.get("HVD_ADAPT_HINTS") or None
