@@ -65,16 +65,19 @@ def test_cycles_close_every_accumulation_steps_and_at_the_end_of_a_plan():
     assert flags == [False, False, False, True, False, True]
 
 
-def test_a_world_the_bounds_cannot_hold_in_is_refused_or_logged_with_the_numbers(caplog):
+def test_a_world_the_bounds_cannot_hold_in_is_refused_or_logged_with_the_numbers(caplog,
+                                                                                  monkeypatch):
     loader = AdaptiveDataLoader(Indices(), batch_size=256)
     # Made here (one replica), the impossible setting is refused, naming the numbers ...
     with pytest.raises(ValueError, match=r"16 x 1 replica\(s\) = 16; the batch stays at 16"):
         loader.autoscale_batch_size(1024, local_bsz_bounds=(4, 16), gradient_accumulation=False)
-    # ... made for another world (as after a resize), the decision logs what gives way.
-    controller = Controller(init_batch_size=256)
-    controller.configure(AutoscalePolicy.create(256, 1024, (4, 16)))
+    # ... in an elastic job (whose size the launcher sets: a worker joining a grown world
+    # runs this line too) and after a resize, the decision logs what gives way.
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    loader.autoscale_batch_size(1024, local_bsz_bounds=(4, 16), gradient_accumulation=False)
     with caplog.at_level(logging.WARNING, logger="hvd_adapt"):
-        controller.decide()
-    assert controller.local_bsz == 16
-    assert "cannot reach batch_size 256 (less rounding) without gradient accumulation" \
+        assert [len(batch) for batch in loader] == [16] * 2 + [8]
+    assert loader.current_local_bsz == 16
+    assert "at 1 replica(s) the batch cannot reach batch_size 256 (less rounding) without " \
+        "gradient accumulation: local_bsz_bounds upper bound 16 x 1 replica(s) = 16" \
         in caplog.text

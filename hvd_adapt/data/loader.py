@@ -180,6 +180,11 @@ class AdaptiveDataLoader(Participant):
         epochs). A choice at most doubles the global batch, and its atomic
         batch is at most twice the largest one timed, so a job grows its
         batch a doubling at a time, timing each size before it goes further.
+        The batch stays within [``batch_size`` less rounding, ``max_batch_size``]
+        and the local batch within ``local_bsz_bounds``; bounds the current
+        world cannot keep raise ``ValueError`` naming the numbers (in an
+        elastic job, and after a resize, a warning says what gives way:
+        docs/autoscaling.md).
 
         With ``epochs_by_progress`` an epoch lasts as much training progress
         as one pass at the initial batch size: len(dataset) / batch_size
@@ -195,9 +200,13 @@ class AdaptiveDataLoader(Participant):
         :mod:`hvd_adapt.scheduling.hints`), for ``hvd-adapt-discover`` or a
         cluster scheduler to offer the job only the workers that pay.
         """
+        # Settings the world cannot keep are refused here, in a job whose size the
+        # user chose; an elastic job's size is the launcher's (a worker joining
+        # a grown world runs this too), so there a decision logs what gives way.
+        fixed_world = env.initialized() and not env.is_elastic()
         policy = AutoscalePolicy.create(self.batch_size, max_batch_size, local_bsz_bounds,
                                         gradient_accumulation, decide_every,
-                                        env.size() if env.initialized() else None)
+                                        env.size() if fixed_world else None)
         check_bool("epochs_by_progress", epochs_by_progress)
         check_int("hints_max_replicas", hints_max_replicas, 1)
         hints_path = hints_path or os.environ.get("HVD_ADAPT_HINTS") or None
