@@ -120,3 +120,16 @@ def test_the_last_two_generations_are_kept_and_a_damaged_newest_falls_back(tmp_p
     os.remove(path)
     write(previous, 2, "gen 2")
     assert checkpoint.newest_good(path) == (previous, 2)
+
+
+def test_a_link_planted_at_the_previous_name_is_replaced_not_followed(tmp_path):
+    # In a shared folder another user may plant path.previous as a link to a victim's file:
+    # the rotation renames over the link itself, and a read of it is a checked load.
+    path = str(tmp_path / "job.pt")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, checkpoint.previous_path(path))
+    assert write(path, 1, "gen 1") and write(path, 2, "gen 2")
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(checkpoint.previous_path(path))
+    assert checkpoint.generation_of(checkpoint.previous_path(path)) == 1
