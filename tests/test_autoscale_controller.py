@@ -81,3 +81,15 @@ def test_a_world_the_bounds_cannot_hold_in_is_refused_or_logged_with_the_numbers
     assert "at 1 replica(s) the batch cannot reach batch_size 256 (less rounding) without " \
         "gradient accumulation: local_bsz_bounds upper bound 16 x 1 replica(s) = 16" \
         in caplog.text
+
+
+def test_a_hints_file_that_cannot_be_written_is_logged_once_and_training_goes_on(tmp_path,
+                                                                                 caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where the hints folder should be")
+    loader = AdaptiveDataLoader(Indices(), batch_size=2)
+    loader.autoscale_batch_size(8, decide_every=2, hints_path=str(blocker / "job.json"))
+    with caplog.at_level(logging.WARNING, logger="hvd_adapt"):
+        assert sum(len(batch) for batch in loader) == 40
+    failures = [r for r in caplog.records if "cannot publish the speed-up curve" in r.message]
+    assert len(failures) == 1, caplog.text
