@@ -185,8 +185,9 @@ def flush(accumulators):
     except HorovodInternalError as e:
         # Horovod's error (a rank left, Horovod shut down) keeps its type, so
         # an elastic job still recovers from it; the message says which sync.
-        raise HorovodInternalError(f"{e} (in the sync of accumulators {[n for n, _ in ours]}: did every "
-                      "replica reach it?)") from e
+        mine = [name for name, _ in ours]
+        raise HorovodInternalError(f"{e} (in the sync of accumulators {mine}: did every "
+                                   "replica reach it?)") from e
     names = [[name for name, _ in synced] for synced in everyone]
     if any(other != names[0] for other in names):
         lines = "; ".join(

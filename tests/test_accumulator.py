@@ -85,7 +85,8 @@ def test_membership_get_len_and_iteration_agree_inside_and_outside_synchronized(
 def test_name_defaults_to_where_it_was_made_and_is_checked():
     made_here = Accumulator()
     assert made_here.name.startswith("test_accumulator.py:")
-    assert Accumulator(name="eval").name == "eval" and "name='eval'" in repr(Accumulator(name="eval"))
+    named = Accumulator(name="eval")
+    assert named.name == "eval" and "name='eval'" in repr(named)
     assert Accumulator({"name": 2}).state_dict()["totals"] == {"name": 2}
     with pytest.raises(TypeError, match="name must be a str or None, got 3"):
         Accumulator(name=3)

@@ -1,11 +1,12 @@
 """A job that one rank asks to stop with SIGTERM; rank 0's checkpoint write is slow.
 
-``--ballast N`` makes the checkpoint N floats larger. ``--term-step N``: the last rank sends itself SIGTERM after step N. Every rank
+``--term-step N``: the last rank sends itself SIGTERM after step N. Every rank
 reports what it holds when the drain exits it (``drained``), or, on a run
 that resumed from the checkpoint, what it holds after the first sync
 (``resumed``). ``--batch-seconds S --commit-every N``: batches take S seconds
 and every N-th is committed (commits far apart); rank 0 appends each
 commit's step count and time to ``commits.txt`` in the output folder.
+``--ballast N`` makes the checkpoint N floats larger.
 """
 import argparse
 import hashlib
