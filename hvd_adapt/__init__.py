@@ -14,6 +14,7 @@ __version__ = "0.2.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "Accumulator": "hvd_adapt.accumulator",
+    "AccumulatorMismatchError": "hvd_adapt.accumulator",
     "AdaptiveDataLoader": "hvd_adapt.data.loader",
     "ElasticSampler": "hvd_adapt.data.sampler",
     "Controller": "hvd_adapt.autoscale.controller",

@@ -17,14 +17,48 @@ pending updates of all replicas into the totals. That is the rule that makes
 the totals exact across failures: everything up to the last commit counts
 exactly once, and updates after it are discarded by the restore and counted
 when the steps are replayed.
+
+Every replica must synchronise the same accumulators in the same order. Each
+sync carries, from every replica, which accumulators it syncs (their names:
+``Accumulator(name=...)``, by default the file and line that made them) and
+their keys; where the replicas disagree (a sync under a rank-dependent
+branch), every replica raises :class:`AccumulatorMismatchError` naming what
+each one synced, and nothing is added. A replica waiting in a sync that
+another replica never joins gets its error at that replica's next
+accumulator sync or commit (they pair up and disagree), or, where that
+replica ends or Horovod shuts down, Horovod's error naming the sync.
 """
 import collections.abc
 import contextlib
 import copy
+import inspect
 import numbers
+import os
+
+from horovod.common.exceptions import HorovodInternalError
 
 from ._runtime import collective
 from .elastic.participant import Participant
+
+# One name for every accumulator sync, standalone or at a commit: syncs that
+# do not match still pair up, and then disagree loudly, instead of waiting
+# for a collective of another name.
+SYNC_NAME = "hvd_adapt.accumulators"
+
+
+class AccumulatorMismatchError(RuntimeError):
+    """Replicas synchronised different accumulators at the same time (raised on every one)."""
+
+
+def _made_at():
+    """``file:line`` of the code that made an accumulator (outside hvd_adapt): the same on
+    every replica running the same script, also on a worker that joins later."""
+    frame = inspect.currentframe().f_back.f_back
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("hvd_adapt."):
+        frame = frame.f_back
+    if frame is None:
+        return "unknown place"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _as_number(value, key):
@@ -48,9 +82,18 @@ class Accumulator(collections.abc.MutableMapping, Participant):
     >>> with stats.synchronized():
     ...     stats["n"]
     3
+
+    ``name`` tells replicas' syncs apart (every replica must sync the same
+    accumulators in the same order); by default it is the file and line that
+    made the accumulator, so accumulators made on one line (in a loop, by a
+    helper) need names of their own. A key called "name" is given in a dict:
+    ``Accumulator({"name": 0})``.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, name=None, **kwargs):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Accumulator name must be a str or None, got {name!r}")
+        self.name = _made_at() if name is None else name
         self._totals = {k: _as_number(v, k) for k, v in dict(*args, **kwargs).items()}
         self._updates = {}
         self._synchronized = 0
@@ -103,7 +146,8 @@ class Accumulator(collections.abc.MutableMapping, Participant):
             self[key] = self[key] + _as_number(value, key)
 
     def __repr__(self):
-        return f"Accumulator(totals={self._totals!r}, pending={self._updates!r})"
+        return (f"Accumulator(name={self.name!r}, totals={self._totals!r}, "
+                f"pending={self._updates!r})")
 
     def state_dict(self):
         return {"totals": copy.deepcopy(self._totals), "pending": copy.deepcopy(self._updates)}
@@ -130,13 +174,34 @@ class Accumulator(collections.abc.MutableMapping, Participant):
 def flush(accumulators):
     """Collective: add every replica's pending updates of ``accumulators`` into their totals.
 
-    One allgather for all of them; nothing changes if the collective fails.
+    One allgather for all of them, carrying each accumulator's name and pending
+    updates: where the replicas' lists of names differ, every replica raises
+    :class:`AccumulatorMismatchError` naming them. Nothing changes if the
+    collective fails.
     """
-    pending = {(i, key): value for i, acc in enumerate(accumulators)
-               for key, value in acc.pending().items()}
-    summed = collective.allreduce(pending)
-    by_accumulator = [{} for _ in accumulators]
-    for (i, key), value in summed.items():
-        by_accumulator[i][key] = value
-    for acc, totals in zip(accumulators, by_accumulator):
+    ours = [(acc.name, acc.pending()) for acc in accumulators]
+    try:
+        everyone = collective.allgather_object(ours, name=SYNC_NAME)
+    except HorovodInternalError as e:
+        # Horovod's error (a rank left, Horovod shut down) keeps its type, so
+        # an elastic job still recovers from it; the message says which sync.
+        mine = [name for name, _ in ours]
+        raise HorovodInternalError(f"{e} (in the sync of accumulators {mine}: did every "
+                                   "replica reach it?)") from e
+    names = [[name for name, _ in synced] for synced in everyone]
+    if any(other != names[0] for other in names):
+        lines = "; ".join(
+            f"rank {rank}: " + (", ".join(f"{name!r} (keys {sorted(map(str, pending))})"
+                                          for name, pending in synced) or "nothing")
+            for rank, synced in enumerate(everyone))
+        raise AccumulatorMismatchError(
+            f"replicas synchronised different accumulators at the same time ({lines}); every "
+            "replica must synchronise the same accumulators in the same order (a sync under a "
+            "rank-dependent branch, or accumulators made on one line without a name=)")
+    summed = [{} for _ in accumulators]
+    for synced in everyone:
+        for totals, (_, pending) in zip(summed, synced):
+            for key, value in pending.items():
+                totals[key] = totals.get(key, 0) + value
+    for acc, totals in zip(accumulators, summed):
         acc.absorb(totals)

@@ -64,7 +64,7 @@ def test_missing_key_inside_synchronized_raises():
 def test_state_dict_round_trip():
     acc = Accumulator(a=1)
     acc["b"] += 2
-    copy = Accumulator()
+    copy = Accumulator(name=acc.name)
     copy.load_state_dict(acc.state_dict())
     assert repr(copy) == repr(acc)
     copy["b"] += 1
@@ -80,3 +80,13 @@ def test_membership_get_len_and_iteration_agree_inside_and_outside_synchronized(
     with acc.synchronized():
         assert "seen" in acc and "other" not in acc and len(acc) == 1
         assert acc.get("other") is None and dict(acc) == {"seen": 2}
+
+
+def test_name_defaults_to_where_it_was_made_and_is_checked():
+    made_here = Accumulator()
+    assert made_here.name.startswith("test_accumulator.py:")
+    named = Accumulator(name="eval")
+    assert named.name == "eval" and "name='eval'" in repr(named)
+    assert Accumulator({"name": 2}).state_dict()["totals"] == {"name": 2}
+    with pytest.raises(TypeError, match="name must be a str or None, got 3"):
+        Accumulator(name=3)

@@ -63,3 +63,33 @@ def test_cycles_close_every_accumulation_steps_and_at_the_end_of_a_plan():
         controller.next_micro_step(last_of_plan=i == 5)
         flags.append(controller.is_optim_step())
     assert flags == [False, False, False, True, False, True]
+
+
+def test_a_world_the_bounds_cannot_hold_in_is_refused_or_logged_with_the_numbers(caplog,
+                                                                                  monkeypatch):
+    loader = AdaptiveDataLoader(Indices(), batch_size=256)
+    # Made here (one replica), the impossible setting is refused, naming the numbers ...
+    with pytest.raises(ValueError, match=r"16 x 1 replica\(s\) = 16; the batch stays at 16"):
+        loader.autoscale_batch_size(1024, local_bsz_bounds=(4, 16), gradient_accumulation=False)
+    # ... in an elastic job (whose size the launcher sets: a worker joining a grown world
+    # runs this line too) and after a resize, the decision logs what gives way.
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    loader.autoscale_batch_size(1024, local_bsz_bounds=(4, 16), gradient_accumulation=False)
+    with caplog.at_level(logging.WARNING, logger="hvd_adapt"):
+        assert [len(batch) for batch in loader] == [16] * 2 + [8]
+    assert loader.current_local_bsz == 16
+    assert "at 1 replica(s) the batch cannot reach batch_size 256 (less rounding) without " \
+        "gradient accumulation: local_bsz_bounds upper bound 16 x 1 replica(s) = 16" \
+        in caplog.text
+
+
+def test_a_hints_file_that_cannot_be_written_is_logged_once_and_training_goes_on(tmp_path,
+                                                                                 caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where the hints folder should be")
+    loader = AdaptiveDataLoader(Indices(), batch_size=2)
+    loader.autoscale_batch_size(8, decide_every=2, hints_path=str(blocker / "job.json"))
+    with caplog.at_level(logging.WARNING, logger="hvd_adapt"):
+        assert sum(len(batch) for batch in loader) == 40
+    failures = [r for r in caplog.records if "cannot publish the speed-up curve" in r.message]
+    assert len(failures) == 1, caplog.text

@@ -477,3 +477,55 @@ def test_hints_max_replicas_is_checked():
     loader = AdaptiveDataLoader(Indices(10), batch_size=8)
     with pytest.raises(ValueError, match="hints_max_replicas must be an int >= 1, got 0"):
         loader.autoscale_batch_size(64, hints_max_replicas=0)
+
+
+class IndexAndPid(Dataset):
+    """Each sample is its index and the process that loaded it."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import os
+        return torch.tensor([float(i), float(os.getpid())])
+
+
+class AlternatingPolicy(AutoscalePolicy):
+    """Switches the local batch between B0 and twice B0 at every decision after the first."""
+
+    def decide(self, profile, grad_params, num_nodes, num_replicas, current, forced):
+        if forced:
+            return self.default(num_replicas), None
+        return (self.init_batch_size * 3 - current[0], 0), (1.0, 1.0)
+
+
+def test_persistent_workers_stay_across_epochs_and_re_plans():
+    # Before, a torch DataLoader was made for every pass and every re-plan, so
+    # persistent_workers=True forked its workers again each time (6 PIDs in 3 epochs).
+    samples = 160
+    loader = AdaptiveDataLoader(IndexAndPid(samples), batch_size=8, shuffle=True,
+                                num_workers=2, persistent_workers=True)
+    loader.controller.configure(AlternatingPolicy(8, 64, (1, 64), False, decide_every=3))
+    pids, local_sizes = set(), set()
+    for epoch in range(3):
+        seen = []
+        for x in loader:
+            seen += x[:, 0].long().tolist()
+            pids |= set(x[:, 1].long().tolist())
+            local_sizes.add(len(x))
+        assert sorted(seen) == list(range(samples)), epoch
+    assert local_sizes >= {8, 16}, "the batch size changed mid-pass: re-plans happened"
+    assert len(pids) == 2, f"worker PIDs over 3 epochs and re-plans: {sorted(pids)}"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"generator": torch.Generator()}, "does not take generator="),
+    ({"persistent_workers": True}, "persistent_workers option needs num_workers > 0"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_dataloader_options_are_checked_when_the_loader_is_made(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        AdaptiveDataLoader(Indices(10), batch_size=2, **kwargs)

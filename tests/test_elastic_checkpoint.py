@@ -13,7 +13,8 @@ from hvd_adapt.elastic import checkpoint
 def write(path, generation, value):
     return checkpoint.write_atomically(
         path, lambda f: torch.save({"format": checkpoint.FORMAT, "generation": generation,
-                                    "value": value}, f), generation)
+                                    "value": value, "handlers": {}, "objects": {}}, f),
+        generation)
 
 
 def test_a_file_is_private_and_no_temporary_file_is_left(tmp_path):
@@ -33,7 +34,8 @@ def test_an_older_generation_never_replaces_a_newer_one(tmp_path):
     assert torch.load(path)["value"] == "newer" and checkpoint.generation_of(path) == 7
     assert write(path, 7, "same commit again") and write(path, 8, "next")
     assert checkpoint.generation_of(path) == 8
-    assert os.listdir(tmp_path).count("job.pt") == 1 and len(os.listdir(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.LOCK_NAME, "job.pt", "job.pt.previous"]
+    assert checkpoint.generation_of(checkpoint.previous_path(path)) == 7
 
 
 def test_the_temporary_name_is_not_predictable_nor_followed_through_a_link(tmp_path):
@@ -82,3 +84,52 @@ def test_a_background_failure_is_reported_without_waiting_and_raised_once(tmp_pa
     while writer.failure() is None and time.time() < deadline:
         time.sleep(0.02)
     assert "job.pt failed" in writer.failure()
+
+
+def test_the_last_two_generations_are_kept_and_a_damaged_newest_falls_back(tmp_path, caplog):
+    path = str(tmp_path / "job.pt")
+    previous = checkpoint.previous_path(path)
+    for generation in (1, 2, 3):
+        assert write(path, generation, f"gen {generation}")
+    assert checkpoint.generation_of(path) == 3 and checkpoint.generation_of(previous) == 2
+    assert checkpoint.newest_good(path) == (path, 3)
+    good = open(path, "rb").read()
+    damages = {"truncated": good[:len(good) // 2], "not a checkpoint": b"garbage" * 100}
+    # A bit flipped in the payload's bytes (the pickle): found only when it is read in full.
+    flipped = bytearray(good)
+    at = good.index(b"gen 3")
+    flipped[at:at + 5] = b"gen 9"
+    damages["bit-flipped"] = bytes(flipped)
+    for how, data in damages.items():
+        with open(path, "wb") as f:
+            f.write(data)
+        caplog.clear()
+        assert checkpoint.read_newest(path, [])["value"] == "gen 2", how
+        assert f"checkpoint {path}" in caplog.text and "falling back to the previous " \
+            f"generation {previous}" in caplog.text, how
+    # A write over a damaged newest file keeps the good previous generation.
+    assert write(path, 4, "gen 4")
+    assert checkpoint.generation_of(path) == 4 and checkpoint.generation_of(previous) == 2
+    # Both damaged: the newest one's error, naming it.
+    for name in (path, previous):
+        with open(name, "wb") as f:
+            f.write(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match="job.pt is unreadable"):
+        checkpoint.newest_good(path)
+    # The newest missing (a crash between the two renames): the previous one.
+    os.remove(path)
+    write(previous, 2, "gen 2")
+    assert checkpoint.newest_good(path) == (previous, 2)
+
+
+def test_a_link_planted_at_the_previous_name_is_replaced_not_followed(tmp_path):
+    # In a shared folder another user may plant path.previous as a link to a victim's file:
+    # the rotation renames over the link itself, and a read of it is a checked load.
+    path = str(tmp_path / "job.pt")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, checkpoint.previous_path(path))
+    assert write(path, 1, "gen 1") and write(path, 2, "gen 2")
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(checkpoint.previous_path(path))
+    assert checkpoint.generation_of(checkpoint.previous_path(path)) == 1

@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import hvd_adapt
 from hvd_adapt import Accumulator, AdaptiveDataLoader, CheckpointError, DistributedOptimizer, State
+from full_disk import fill, full_disk  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -478,3 +479,45 @@ def test_a_grad_scaler_is_committed_restored_and_checkpointed(where, tmp_path):
     fresh, fresh_scaler = job()
     assert fresh.load_checkpoint(path)          # weights_only: plain numbers
     assert fresh_scaler.get_scale() == 256.0
+
+
+@pytest.mark.parametrize("room,cause", [(12288, r"RuntimeError: .*unexpected pos"),
+                                        (0, r"OSError: .*No space left")])
+def test_a_full_disk_raises_checkpoint_error_with_its_cause_and_loses_nothing(full_disk, room,
+                                                                               cause):
+    # torch.save on a disk that fills while it writes raises RuntimeError ("[enforce fail
+    # at inline_container.cc] ... unexpected pos"; OSError where nothing fits at all),
+    # which went through raw: only OSError became a CheckpointError.
+    from hvd_adapt.elastic import checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    state = State(model=model, optimizer=opt)
+    path = str(full_disk / "job.pt")
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 64)).pow(2).mean().backward()
+        opt.step()
+        state.commit()
+
+    for _ in range(2):
+        step()
+        state.save_checkpoint(path)
+    kept = (checkpoint.generation_of(path), checkpoint.generation_of(path + ".previous"))
+    assert kept == (state.generation, state.generation - 1)
+    fill(full_disk, leave=room)
+    step()
+    with pytest.raises(CheckpointError, match=r"writing checkpoint .*job.pt failed: " + cause):
+        state.save_checkpoint(path)
+    state.save_checkpoint(path, background=True)
+    # In the background the serialised bytes go out in one write: OSError.
+    with pytest.raises(CheckpointError, match=r"job.pt failed: (RuntimeError|OSError)"):
+        state.settle_checkpoint()
+    # Nothing lost: both good generations, no temporary file.
+    assert sorted(os.listdir(full_disk)) == sorted(
+        [checkpoint.LOCK_NAME, "job.pt", "job.pt.previous", "filler"])
+    assert (checkpoint.generation_of(path),
+            checkpoint.generation_of(path + ".previous")) == kept
+    assert checkpoint.read_newest(path, ["model", "optimizer", "epochs"])["generation"] \
+        == kept[0]

@@ -250,6 +250,11 @@ class Controller:
         if env.rank() == 0:
             before = self._current()
             forced = self._choice is None or self._choice[2] != size
+            conflict = self.policy.conflict(size) if forced else None
+            if conflict is not None:
+                # autoscale_batch_size refused these bounds in its own world; a
+                # resize made them impossible, and training goes on as it says.
+                log.warning("%s", conflict)
             choice, prediction = self.policy.decide(self.profile, self.grad_params(),
                                                     env.num_nodes(), size, before, forced)
             self._log_decision(before, choice, prediction, size)

@@ -10,12 +10,15 @@ replica adopts the choice, is the controller's business
 >>> policy.default(num_replicas=3)      # B0 split over the replicas
 (43, 0)
 """
+import logging
 import math
 
 import numpy as np
 
 from .._checks import check_bool, check_int, is_int
 from ..goodput import GoodputFunction, fit_perf_params
+
+log = logging.getLogger(__name__)
 
 
 class AutoscalePolicy:
@@ -48,8 +51,10 @@ class AutoscalePolicy:
 
     @classmethod
     def create(cls, init_batch_size, max_batch_size, local_bsz_bounds=None,
-               gradient_accumulation=False, decide_every=50):
-        """Validate the arguments of ``AdaptiveDataLoader.autoscale_batch_size``."""
+               gradient_accumulation=False, decide_every=50, num_replicas=None):
+        """Validate the arguments of ``AdaptiveDataLoader.autoscale_batch_size``; with
+        ``num_replicas``, also refuse bounds that cannot all hold in that world
+        (:meth:`conflict`), naming the numbers."""
         if not is_int(max_batch_size) or max_batch_size < init_batch_size:
             raise ValueError(f"max_batch_size must be an int >= the loader's batch_size "
                              f"({init_batch_size}), got {max_batch_size!r}")
@@ -71,22 +76,96 @@ class AutoscalePolicy:
             raise ValueError(f"local_bsz_bounds must have lo <= hi, got ({lo}, {hi})")
         check_bool("gradient_accumulation", gradient_accumulation)
         check_int("decide_every", decide_every, 1)
-        return cls(init_batch_size, max_batch_size, (lo, hi), gradient_accumulation, decide_every)
+        policy = cls(init_batch_size, max_batch_size, (lo, hi), gradient_accumulation,
+                     decide_every)
+        conflict = None if num_replicas is None else policy.conflict(num_replicas)
+        if conflict is not None:
+            raise ValueError(conflict)
+        return policy
+
+    # -- the bounds ----------------------------------------------------------------------
+    # Every choice at R replicas, (atomic, accum) with batch B = R * atomic * (accum + 1),
+    # keeps atomic <= hi (the memory bound), B <= max_batch_size, B0 less rounding <= B
+    # (atomic >= B0 // (R * (accum + 1)): the split of B0 rounded down), and lo <= atomic.
+    # Where a world cannot keep them all, they give way in the reverse order: first lo,
+    # then B0 (only without accumulation), then max_batch_size (more replicas than it);
+    # hi never. _limits finds which hold, allows() checks every choice against them.
+
+    def _first_plan(self, num_replicas, lo, keep_b0, max_batch):
+        """The default plan within ``lo``, hi, ``max_batch`` (and B0 less rounding when
+        ``keep_b0``): the batch nearest above B0 with the fewest accumulation steps; or None."""
+        b0, hi = self.init_batch_size, self.local_bsz_bounds[1]
+        accums = [0]
+        if self.gradient_accumulation:
+            # First the fewest accumulation steps whose atomic batch reaches B0 within hi;
+            # then fewer, down to the fewest whose split of B0 (rounded down) is within hi:
+            # max_batch_size or lo may allow only those. More would not help: a batch
+            # that already reaches B0 fails only by lo x replicas x micro-steps > max.
+            reach = math.ceil(math.ceil(b0 / num_replicas) / hi) - 1
+            fewest = max(0, math.ceil((b0 // (hi + 1) + 1) / num_replicas) - 1) if keep_b0 \
+                else 0
+            accums = range(reach, min(fewest, reach) - 1, -1)
+        for accum in accums:
+            micro = num_replicas * (accum + 1)
+            least = max(lo, b0 // micro if keep_b0 else 1)
+            most = min(hi, max_batch // micro)
+            if least <= most:
+                return max(least, min(most, math.ceil(b0 / micro))), accum
+        return None
+
+    def _limits(self, num_replicas):
+        """``(lo, keep_b0, max_batch, default plan)`` that hold at ``num_replicas``."""
+        lo = self.local_bsz_bounds[0]
+        for lo_kept, keep_b0 in ((lo, True), (1, True), (1, False)):
+            plan = self._first_plan(num_replicas, lo_kept, keep_b0, self.max_batch_size)
+            if plan is not None:
+                return lo_kept, keep_b0, self.max_batch_size, plan
+        return 1, False, num_replicas, (1, 0)
+
+    def conflict(self, num_replicas):
+        """None where every bound holds at ``num_replicas``; else what gives way, with the
+        numbers (a resize logs it; ``autoscale_batch_size`` refuses it).
+
+        >>> print(AutoscalePolicy.create(8, 8, local_bsz_bounds=(4, 8)).conflict(3))
+        at 3 replica(s) the local batch cannot stay within local_bsz_bounds (4, 8) and \
+max_batch_size 8: 4 x 3 replica(s) = 12 > 8; the local batch goes below 4, to 2 (batch 6)
+        """
+        lo_kept, keep_b0, max_batch, (atomic, accum) = self._limits(num_replicas)
+        lo, hi = self.local_bsz_bounds
+        batch = num_replicas * atomic * (accum + 1)
+        where = f"at {num_replicas} replica(s)"
+        if max_batch < num_replicas:
+            return (f"{where} max_batch_size {self.max_batch_size} cannot hold: every replica "
+                    f"loads at least 1 sample, a batch of {num_replicas}")
+        if not keep_b0:
+            return (f"{where} the batch cannot reach batch_size {self.init_batch_size} (less "
+                    f"rounding) without gradient accumulation: local_bsz_bounds upper bound "
+                    f"{hi} x {num_replicas} replica(s) = {hi * num_replicas}; the batch stays "
+                    f"at {batch} (enable gradient_accumulation or raise the upper bound)")
+        if lo_kept != lo:
+            return (f"{where} the local batch cannot stay within local_bsz_bounds ({lo}, {hi}) "
+                    f"and max_batch_size {self.max_batch_size}: {lo} x {num_replicas} "
+                    f"replica(s)" + (f" x {accum + 1} micro-steps" if accum else "")
+                    + f" = {lo * num_replicas * (accum + 1)} > {self.max_batch_size}; the "
+                    f"local batch goes below {lo}, to {atomic} (batch {batch})")
+        return None
+
+    def allows(self, choice, num_replicas):
+        """True when ``choice`` = (atomic, accum) keeps every bound that holds at
+        ``num_replicas`` (see :meth:`conflict`)."""
+        atomic, accum = choice
+        lo, keep_b0, max_batch, _ = self._limits(num_replicas)
+        micro = num_replicas * (accum + 1)
+        return (accum >= 0 and (accum == 0 or self.gradient_accumulation)
+                and lo <= atomic <= self.local_bsz_bounds[1]
+                and micro * atomic <= max_batch
+                and (not keep_b0 or atomic >= self.init_batch_size // micro))
 
     def default(self, num_replicas):
         """The choice before anything is measured: B0 split over the replicas, within bounds
-        (rounded down where rounding up would exceed max_batch_size)."""
-        lo, hi = self.local_bsz_bounds
-        local = math.ceil(self.init_batch_size / num_replicas)
-        if local * num_replicas > self.max_batch_size:
-            local = max(self.max_batch_size // num_replicas, 1)
-        if local > hi and self.gradient_accumulation:
-            accum = math.ceil(local / hi) - 1
-            atomic = math.ceil(local / (accum + 1))
-            if num_replicas * atomic * (accum + 1) > self.max_batch_size:
-                atomic = local // (accum + 1)
-            return max(lo, atomic), accum
-        return min(max(local, lo), hi), 0
+        (rounded down where rounding up would exceed max_batch_size; see :meth:`conflict`
+        where not every bound can hold)."""
+        return self._limits(num_replicas)[3]
 
     def choose(self, profile, grad_params, num_nodes, num_replicas, current, forced):
         """``(atomic_bsz, accum_steps)`` for the next steps.
@@ -108,10 +187,15 @@ class AutoscalePolicy:
         AdaScale gain of its batch; the second item is None when nothing was fitted."""
         if grad_params is None or len(profile) == 0:
             return self.default(num_replicas), None
+        if not (math.isfinite(grad_params.sqr) and math.isfinite(grad_params.var)):
+            # A NaN or infinite gradient (a loss that overflowed) must not steer the batch.
+            log.warning("batch size decision skipped: the gradient noise statistics are not "
+                        "finite (sqr %r, var %r)", grad_params.sqr, grad_params.var)
+            return self._kept(current, num_replicas, forced), None
         data = profile.arrays()
         here = (data["num_nodes"] == num_nodes) & (data["num_replicas"] == num_replicas)
         timed = data["atomic_bsz"][here] if here.any() else data["atomic_bsz"]
-        lo, hi = self.local_bsz_bounds
+        lo, hi = self._limits(num_replicas)[0], self.local_bsz_bounds[1]
         bounds = (lo, max(lo, min(hi, math.floor(self.explore_factor * timed.max()))))
         batch_now = num_replicas * max(current[0] * (current[1] + 1), timed.max())
         max_batch = min(self.max_batch_size,
@@ -119,16 +203,29 @@ class AutoscalePolicy:
         fn = self.goodput_function(profile, grad_params, num_nodes, num_replicas)
         goodput, atomic, accum = fn.optimize(num_nodes, num_replicas, max_batch,
                                              bounds, self.gradient_accumulation)
-        if goodput <= 0:
-            return self.default(num_replicas), None
         current_goodput = float(fn.evaluate(num_nodes, num_replicas, current[0], current[1]))
+        if not (math.isfinite(goodput) and math.isfinite(current_goodput)):
+            log.warning("batch size decision skipped: the fitted goodput is not finite "
+                        "(%r for the best choice, %r for the current one)", goodput,
+                        current_goodput)
+            return self._kept(current, num_replicas, forced), None
+        if goodput <= 0 or not self.allows((atomic, accum), num_replicas):
+            # Nothing within the bounds the exploration allows: the default split of B0.
+            return self.default(num_replicas), None
         choice = (atomic, accum)
-        if not forced and goodput <= (1 + self.hysteresis) * current_goodput:
+        if not forced and goodput <= (1 + self.hysteresis) * current_goodput \
+                and self.allows(tuple(current), num_replicas):
             choice = tuple(current)
         batch = num_replicas * choice[0] * (choice[1] + 1)
         gain = float(fn.efficiency(batch)) * max(batch / self.init_batch_size, 1.0)
         speedup = float(fn.evaluate(num_nodes, num_replicas, *choice)) / current_goodput
         return choice, (speedup, gain)
+
+    def _kept(self, current, num_replicas, forced):
+        """``current`` where a decision is skipped, or the default where it cannot stand."""
+        if forced or not self.allows(tuple(current), num_replicas):
+            return self.default(num_replicas)
+        return tuple(current)
 
     def goodput_function(self, profile, grad_params, num_nodes=None, num_replicas=None):
         """The :class:`~hvd_adapt.goodput.GoodputFunction` of ``profile`` and ``grad_params``:

@@ -23,9 +23,15 @@ from .sampler import ElasticSampler
 
 
 class _Plan(torch.utils.data.Sampler):
-    """A fixed list of index batches, handed to torch's DataLoader as its batch_sampler."""
+    """The index batches of the current plan, handed to torch's DataLoader as its
+    batch_sampler; :meth:`set` gives it the next plan (torch takes an iterator of the
+    list at each pass, so a pass under way keeps its own)."""
 
     def __init__(self, batches):
+        self._batches = batches
+
+    def set(self, batches):
+        """Plan ``batches`` for the next pass of torch's loader."""
         self._batches = batches
 
     def __iter__(self):
@@ -95,25 +101,36 @@ class AdaptiveDataLoader(Participant):
     batch size, so it changes when the batch size does. A progress bar made
     before the pass can follow it with ``bar.total = len(loader)``.
 
-    Every other keyword goes to ``torch.utils.data.DataLoader``
-    (``num_workers``, ``collate_fn``, ...); ``sampler`` and ``batch_sampler``
-    are rejected since the elastic sampler decides the order.
+    Every other keyword goes to ``torch.utils.data.DataLoader`` (``num_workers``,
+    ``collate_fn``, ``pin_memory``, ``timeout``, ``worker_init_fn``,
+    ``multiprocessing_context``, ``prefetch_factor``, ``persistent_workers``,
+    ``pin_memory_device``, ``in_order``), with torch's meaning: one torch loader
+    serves every pass and re-plan, so ``persistent_workers=True`` keeps its
+    worker processes across epochs and batch-size changes. ``sampler``,
+    ``batch_sampler`` and ``generator`` are rejected since the elastic sampler
+    decides the order and the loader seeds the workers from ``seed``, the
+    epoch and the position (so a resumed pass loads alike).
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=False, seed=0, drop_last=False, **kwargs):
         check_int("batch_size", batch_size, 1)
         check_bool("drop_last", drop_last)
-        for key in ("sampler", "batch_sampler"):
+        for key in ("sampler", "batch_sampler", "generator"):
             if key in kwargs:
                 raise ValueError(f"AdaptiveDataLoader does not take {key}={kwargs[key]!r}: "
-                                 "the elastic sampler decides which samples each replica loads")
+                                 "the elastic sampler decides which samples each replica "
+                                 "loads, and seed= seeds the workers")
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = ElasticSampler(dataset, shuffle=shuffle, seed=seed)
         self.controller = Controller(batch_size)
         self.drop_last = drop_last
         self.num_padded = 0
-        self._kwargs = kwargs
+        self._plan = _Plan([])
+        # One torch loader for every pass and re-plan (persistent workers stay);
+        # made now, so torch checks the keywords here rather than at the first batch.
+        self._torch = DataLoader(dataset, batch_sampler=self._plan,
+                                 generator=torch.Generator(), **kwargs)
         self._handed_out = None  # batches of the pass being iterated so far; None between passes
         self._plan_left = 0      # batches of the current plan not yet handed out
         # True once this process iterated a pass to its end since the last
@@ -163,6 +180,11 @@ class AdaptiveDataLoader(Participant):
         epochs). A choice at most doubles the global batch, and its atomic
         batch is at most twice the largest one timed, so a job grows its
         batch a doubling at a time, timing each size before it goes further.
+        The batch stays within [``batch_size`` less rounding, ``max_batch_size``]
+        and the local batch within ``local_bsz_bounds``; bounds the current
+        world cannot keep raise ``ValueError`` naming the numbers (in an
+        elastic job, and after a resize, a warning says what gives way:
+        docs/autoscaling.md).
 
         With ``epochs_by_progress`` an epoch lasts as much training progress
         as one pass at the initial batch size: len(dataset) / batch_size
@@ -178,8 +200,13 @@ class AdaptiveDataLoader(Participant):
         :mod:`hvd_adapt.scheduling.hints`), for ``hvd-adapt-discover`` or a
         cluster scheduler to offer the job only the workers that pay.
         """
+        # Settings the world cannot keep are refused here, in a job whose size the
+        # user chose; an elastic job's size is the launcher's (a worker joining
+        # a grown world runs this too), so there a decision logs what gives way.
+        fixed_world = env.initialized() and not env.is_elastic()
         policy = AutoscalePolicy.create(self.batch_size, max_batch_size, local_bsz_bounds,
-                                        gradient_accumulation, decide_every)
+                                        gradient_accumulation, decide_every,
+                                        env.size() if fixed_world else None)
         check_bool("epochs_by_progress", epochs_by_progress)
         check_int("hints_max_replicas", hints_max_replicas, 1)
         hints_path = hints_path or os.environ.get("HVD_ADAPT_HINTS") or None
@@ -203,11 +230,12 @@ class AdaptiveDataLoader(Participant):
                 and self._finished_pass_here)
 
     def _torch_loader(self, plan):
-        generator = torch.Generator()
-        generator.manual_seed(hash((self.sampler.seed, self.sampler.epoch,
-                                    self.sampler.position, env.rank())) & 0x7FFFFFFF)
-        return DataLoader(self.dataset, batch_sampler=_Plan(plan), generator=generator,
-                          **self._kwargs)
+        self._plan.set(plan)
+        # Workers' seeds (and a persistent loader's shared seed) come from the position.
+        self._torch.generator.manual_seed(hash((self.sampler.seed, self.sampler.epoch,
+                                                self.sampler.position, env.rank()))
+                                          & 0x7FFFFFFF)
+        return self._torch
 
     def __iter__(self):
         controller = self.controller

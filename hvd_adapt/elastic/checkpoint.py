@@ -10,6 +10,12 @@ holds a newer generation, then the directory is fsynced. So a job
 killed while writing leaves the previous checkpoint intact, and a worker
 that stopped being rank 0 (its background write still under way) cannot
 take the checkpoint back in time after the new rank 0 wrote a newer one.
+
+The last two good generations are kept: before the rename, a readable file at
+the target moves to ``<path>.previous``. Where the newest file is damaged
+(truncated, bit-flipped, not a checkpoint), readers fall back to the previous
+one with a warning naming the damaged file (:func:`newest_good`,
+:func:`read_newest`).
 """
 import contextlib
 import fcntl
@@ -60,9 +66,16 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
+def previous_path(path):
+    """Where the generation before the one at ``path`` is kept."""
+    return path + ".previous"
+
+
 def write_atomically(path, write, generation):
     """Fill a new private file beside ``path`` with ``write(f)``, fsync it, and rename it over
-    ``path`` unless ``path`` already holds a later generation; returns whether it did."""
+    ``path`` unless ``path`` already holds a later generation; returns whether it did. A
+    readable older generation at ``path`` moves to :func:`previous_path` first; a damaged
+    one is replaced (the previous generation stays)."""
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     # mkstemp: a name no one can predict, created exclusively (O_EXCL, no
@@ -74,11 +87,18 @@ def write_atomically(path, write, generation):
             f.flush()
             os.fsync(f.fileno())
         with _locked(directory):
-            existing = generation_of(path)
+            try:
+                existing = generation_of(path)
+            except CheckpointError as e:
+                log.warning("%s; replacing it (the previous generation stays)", e)
+                existing = None
             if existing is not None and existing > generation:
                 log.warning("checkpoint %s holds generation %d, newer than this write's %d: "
                             "kept it", path, existing, generation)
                 return False
+            if existing is not None and existing < generation:
+                # A moment without a file at path is a moment a reader falls back.
+                os.replace(path, previous_path(path))
             os.replace(tmp, path)
             _fsync_directory(directory)
         return True
@@ -122,14 +142,19 @@ class CheckpointWriter:
             # Straight into the file: no second copy of the state in memory.
             try:
                 write_atomically(path, lambda f: torch.save(payload, f), generation)
-            except OSError as e:
+            except Exception as e:
+                # Not only OSError: on a full disk torch.save raises RuntimeError
+                # ("[enforce fail at inline_container.cc] ... unexpected pos").
                 raise self._error_for(e) from e
             return
         if stream:
             write = lambda f: torch.save(payload, f)   # noqa: E731
         else:
             buffer = io.BytesIO()
-            torch.save(payload, buffer)
+            try:
+                torch.save(payload, buffer)
+            except Exception as e:
+                raise self._error_for(e) from e
             write = lambda f: f.write(buffer.getbuffer())   # noqa: E731
         self._thread = threading.Thread(target=self._write_in_background,
                                         args=(write, path, generation),
@@ -261,7 +286,10 @@ def read(source, expected_names, trusted=False, name=None):
     code on load.
     """
     name = name or source
-    payload = _load(source, name, trusted)
+    return _fitting(_load(source, name, trusted), expected_names, name)
+
+
+def _fitting(payload, expected_names, name):
     _check_format(payload, name)
     expected = set(expected_names)
     found = set(payload["handlers"]) | set(payload["objects"])
@@ -270,3 +298,52 @@ def read(source, expected_names, trusted=False, name=None):
             f"checkpoint {name} does not fit this State: missing {sorted(expected - found)}, "
             f"unexpected {sorted(found - expected)}")
     return payload
+
+
+def newest_good(path):
+    """``(file, generation)`` of the newest readable generation at ``path``: ``path`` itself,
+    or, where it is missing or damaged, :func:`previous_path` (with a warning naming the
+    damaged file); None where neither exists. :class:`CheckpointError` where the files that
+    exist are all damaged (the newest one's error)."""
+    try:
+        generation = generation_of(path)
+    except CheckpointError as damaged:
+        older = _previous_generation(path)
+        if older is None:
+            raise
+        log.warning("%s; falling back to the previous generation %s", damaged, older[0])
+        return older
+    if generation is None:
+        return _previous_generation(path)
+    return path, generation
+
+
+def _previous_generation(path):
+    older = previous_path(path)
+    try:
+        generation = generation_of(older)
+    except CheckpointError as e:
+        log.warning("%s", e)
+        return None
+    return None if generation is None else (older, generation)
+
+
+def read_newest(path, expected_names, trusted=False):
+    """:func:`read` of the newest good generation at ``path``: where the newest file is
+    damaged beyond its structure (a tensor's bytes), the previous one, with a warning naming
+    the damaged file; :class:`CheckpointError` when neither can be read."""
+    found = newest_good(path)
+    if found is None:
+        raise CheckpointError(f"checkpoint {path} could not be read: there is no such file")
+    source = found[0]
+    try:
+        payload = _load(source, source, trusted)
+    except CheckpointError as damaged:
+        source = previous_path(path)
+        if found[0] == source or not os.path.exists(source):
+            raise
+        log.warning("%s; falling back to the previous generation %s", damaged, source)
+        payload = _load(source, source, trusted)
+    # A file that does not fit this State is refused, not passed over: the
+    # previous generation was written by the same job.
+    return _fitting(payload, expected_names, source)

@@ -55,8 +55,11 @@ class Drain:
         if self.checkpoint_path is not None and env.rank() == 0:
             try:
                 state.save_checkpoint(self.checkpoint_path)
-            except CheckpointError as e:
-                error = CheckpointError(f"draining after SIGTERM: {e}")
+            except Exception as e:
+                # Whatever rank 0 meets here, every rank must hear of it: the
+                # others wait for its word below, and were SIGKILLed before.
+                cause = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+                error = CheckpointError(f"draining after SIGTERM: {cause}")
         # The others exit only once rank 0's file is on disk: launchers kill
         # the remaining workers as soon as one exits non-zero.
         fail_together(error, "hvd_adapt.drain_done")

@@ -256,8 +256,8 @@ class State(TorchState):
             generation, unreadable = agreement.UNREADABLE, str(failed)
         elif wanted_checkpoint is not None:
             try:
-                found = checkpoint.generation_of(wanted_checkpoint[0])
-                generation = agreement.NO_FILE if found is None else found
+                found = checkpoint.newest_good(wanted_checkpoint[0])
+                generation = agreement.NO_FILE if found is None else found[1]
             except checkpoint.CheckpointError as e:
                 generation, unreadable = agreement.UNREADABLE, str(e)
         plan = agreement.at_sync(full, self._holds_job and wanted_checkpoint is None,
@@ -472,14 +472,17 @@ class State(TorchState):
         error = None
         if source_rank == 0:
             if rank == 0:
-                error = self._apply_checkpoint(lambda: checkpoint.read(path, names, trusted), path)
+                error = self._apply_checkpoint(
+                    lambda: checkpoint.read_newest(path, names, trusted), path)
         else:
             data = None
             if rank == source_rank:
                 try:
-                    with open(path, "rb") as f:
+                    # The file the agreement saw: the newest good generation.
+                    found = checkpoint.newest_good(path)
+                    with open(path if found is None else found[0], "rb") as f:
                         data = f.read()
-                except OSError as e:
+                except (OSError, checkpoint.CheckpointError) as e:
                     log.error("reading checkpoint %s failed: %s", path, e)
             data = collective.broadcast_bytes(data, root_rank=source_rank,
                                               name="hvd_adapt.checkpoint_file")

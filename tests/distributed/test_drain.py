@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from full_disk import fill, full_disk  # noqa: F401 (a fixture)
 from launch import BIN, WORKERS, horovodrun_command, launch_env, run_job, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -111,3 +112,23 @@ def test_a_drain_with_commits_3_s_apart_ends_before_horovodrun_kills(launcher, t
     assert max(rep["time"] for rep in reports.values()) - signalled < 5.0
     resumed = launch("gloo", ["--checkpoint", path, "--slow-save", 0.0], tmp_path).check()
     assert resumed.reports[0]["resumed"] == reports["rank0.json"]["drained"]
+
+
+@pytest.mark.parametrize("room", [12288, 0], ids=["fills-while-writing", "full"])
+def test_a_drain_on_a_full_disk_raises_checkpoint_error_with_its_cause_on_every_rank(
+        full_disk, room):
+    # torch.save raised RuntimeError ("inline_container.cc ... unexpected pos") on rank 0,
+    # which the drain did not catch: rank 0 failed, rank 1 waited for its word and was
+    # SIGKILLed by the launcher, with no error.
+    path = str(full_disk / "job.pt")
+    fill(full_disk, leave=room)
+    job = run_ranks("drain_job.py", np=2, timeout=150,
+                    args=["--checkpoint", path, "--term-step", 5, "--slow-save", 0.0,
+                          "--ballast", 16384])
+    assert job.returncode != 0
+    assert sorted(job.reports) == [0, 1], job.output[-3000:]
+    for rank, rep in job.reports.items():
+        assert "draining after SIGTERM: writing checkpoint" in rep["error"], (rank, rep)
+        assert ("RuntimeError" if room else "OSError") in rep["error"], (rank, rep)
+    # No temporary file left behind.
+    assert set(os.listdir(full_disk)) <= {".hvd_adapt-checkpoint.lock", "filler"}

@@ -6,6 +6,7 @@ that resumed from the checkpoint, what it holds after the first sync
 (``resumed``). ``--batch-seconds S --commit-every N``: batches take S seconds
 and every N-th is committed (commits far apart); rank 0 appends each
 commit's step count and time to ``commits.txt`` in the output folder.
+``--ballast N`` makes the checkpoint N floats larger.
 """
 import argparse
 import hashlib
@@ -62,6 +63,7 @@ parser.add_argument("--term-step", type=int, default=-1)
 parser.add_argument("--slow-save", type=float, default=2.0)
 parser.add_argument("--batch-seconds", type=float, default=0.0)
 parser.add_argument("--commit-every", type=int, default=1)
+parser.add_argument("--ballast", type=int, default=0, help="floats of extra checkpointed state")
 args = parser.parse_args()
 
 hvd_adapt.register_handler(SlowToSave, SlowHandler)
@@ -73,7 +75,8 @@ opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05
                                                      momentum=0.9, weight_decay=0.01))
 loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=8, shuffle=True)
 state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=hvd_adapt.Accumulator(),
-                        slow=SlowToSave(args.slow_save), steps=0)
+                        slow=SlowToSave(args.slow_save), steps=0,
+                        **({"ballast": torch.zeros(args.ballast)} if args.ballast else {}))
 hvd_adapt.install_sigterm_drain(state, checkpoint_path=args.checkpoint)
 resumed = state.load_checkpoint(args.checkpoint)
 
@@ -103,6 +106,9 @@ def train(state):
 
 try:
     train(state)
+except hvd_adapt.CheckpointError as e:
+    report({"error": str(e)}, hvd_adapt.env.rank())
+    raise
 except SystemExit as stop:
     report({"drained": holding(state, model, loader), "code": stop.code, "time": time.time()},
            hvd_adapt.env.rank())
