@@ -90,21 +90,25 @@ def create_exclusive(path, mode=0o600, flags=0):
                    | flags, mode)
 
 
-def write_file_atomically(path, data, mode=0o600, durable=False):
-    """Replace ``path`` with ``data`` (bytes) atomically: an unpredictable temporary name
-    beside it, created exclusively, filled, then renamed over ``path``. ``durable``:
-    fsync the file before the rename. A failure removes the temporary file and leaves
-    ``path`` as it was."""
+def create_temporary_beside(path, mode=0o600):
+    """A new file beside ``path`` (same folder, so a rename onto ``path`` is atomic) under
+    an unpredictable name, created with :func:`create_exclusive`. Returns ``(fd, name)``."""
     folder, name = os.path.split(os.path.abspath(path))
     for _ in range(100):
         tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
         try:
-            fd = create_exclusive(tmp, mode)
-            break
+            return create_exclusive(tmp, mode), tmp
         except FileExistsError:
             continue
-    else:
-        raise FileExistsError(errno.EEXIST, "no free temporary name", path)
+    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
+
+
+def write_file_atomically(path, data, mode=0o600, durable=False):
+    """Replace ``path`` with ``data`` (bytes) atomically: a temporary file from
+    :func:`create_temporary_beside`, filled, then renamed over ``path``. ``durable``:
+    fsync the file before the rename. A failure removes the temporary file and leaves
+    ``path`` as it was."""
+    fd, tmp = create_temporary_beside(path, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

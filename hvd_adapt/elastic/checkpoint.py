@@ -23,12 +23,13 @@ import io
 import logging
 import os
 import pickle
-import tempfile
 import threading
 import zipfile
 
 import numpy as np
 import torch
+
+from .._runtime import private_files
 
 FORMAT = "hvd_adapt-checkpoint-v3"
 # Files of the format before generations were recorded still load (generation 0).
@@ -50,7 +51,8 @@ def _locked(directory):
     # Writers take turns: the generation read before the rename must still
     # be the file's when the rename lands. lockf is honoured on NFS too,
     # where flock may be local only.
-    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(os.path.join(directory, LOCK_NAME),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
@@ -76,11 +78,11 @@ def write_atomically(path, write, generation):
     ``path`` unless ``path`` already holds a later generation; returns whether it did. A
     readable older generation at ``path`` moves to :func:`previous_path` first; a damaged
     one is replaced (the previous generation stays)."""
-    directory, name = os.path.split(os.path.abspath(path))
+    directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    # mkstemp: a name no one can predict, created exclusively (O_EXCL, no
-    # symlink followed) with mode 0600, in the target's own file system.
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    # A name no one can predict, created exclusively (no symlink followed) with mode
+    # 0600, in the target's own file system: a checkpoint folder may be shared.
+    fd, tmp = private_files.create_temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
