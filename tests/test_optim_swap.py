@@ -298,14 +298,14 @@ def test_two_optimizers_share_a_swap_dir_and_a_deleted_one_is_freed(tmp_path):
 
 
 _HOLDER = """
-import os, signal, sys, time, torch, hvd_adapt
+import os, sys, time, torch, hvd_adapt
 hvd_adapt.init()
 model = torch.nn.Linear(4, 4)
 opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters()), swap_dir=sys.argv[1])
 model(torch.ones(2, 4)).sum().backward(); opt.step()
 print("ready", flush=True)
 if sys.argv[2] == "crash":
-    os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(9)     # no clean-up runs: as a SIGKILL (which PID 1 of a namespace ignores)
 time.sleep(600)
 """
 
@@ -315,8 +315,13 @@ def test_folders_belong_to_their_owner_while_it_lives(tmp_path):
     import sys
     swap_dir = str(tmp_path)
 
+    # Each job in a PID namespace of its own, as in a container: both see the same PIDs.
+    namespace = ["unshare", "--pid", "--fork", "--kill-child"]
+    if subprocess.run(namespace + ["true"], capture_output=True).returncode != 0:
+        namespace = []      # no namespaces here: the jobs differ in PID, the rest holds
+
     def start(how):
-        proc = subprocess.Popen([sys.executable, "-c", _HOLDER, swap_dir, how],
+        proc = subprocess.Popen(namespace + [sys.executable, "-c", _HOLDER, swap_dir, how],
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         return proc
@@ -387,7 +392,6 @@ def fill(folder):
 
 
 def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
-    from hvd_adapt.optim.swap_io import SwapError
     swap_dir = mount("tmpfs", "2m")
     pairs = pair(mlp, str(swap_dir))
     step_both(pairs, 2)
@@ -398,7 +402,7 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     for _ in range(2):          # each failure leaves a usable optimizer (no buffer lost)
         opt.zero_grad()
         model(torch.randn(8, 16)).pow(2).mean().backward()
-        with pytest.raises(SwapError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No "
+        with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No "
                                             r"space left on device \(errno ENOSPC\)"):
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
@@ -408,8 +412,8 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     assert_same(pairs)
 
 
-class _Flaky(torch.optim.SGD):
-    """SGD whose step raises once, at its ``fail_in``-th call from now."""
+class _Flaky(torch.optim.AdamW):
+    """AdamW whose step raises once, at its ``fail_in``-th call from now."""
     fail_in = None
 
     def step(self, closure=None):
@@ -424,11 +428,12 @@ class _Flaky(torch.optim.SGD):
 def test_an_exception_in_a_step_never_hangs_and_a_restore_recovers(tmp_path):
     def build():
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 64), torch.nn.Tanh(),
                                     torch.nn.Linear(64, 4))
-        return model, _Flaky(model.parameters(), lr=0.05, momentum=0.9)
+        return model, _Flaky(model.parameters(), lr=1e-2)
 
-    # Buffers of 8 KiB: two chunks, so the failure comes after one was stepped.
-    pairs = pair(build, str(tmp_path), buffer_mb=8 / 1024)
+    # Buffers of 40 KiB: three chunks, so the failure comes after one was stepped.
+    pairs = pair(build, str(tmp_path), buffer_mb=40 / 1024)
     states = [State(model=model, optimizer=opt) for model, opt in pairs]
     step_both(pairs, 2)
     for state in states:
@@ -440,7 +445,8 @@ def test_an_exception_in_a_step_never_hangs_and_a_restore_recovers(tmp_path):
     model(torch.randn(8, 16)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="the inner optimizer failed"):
         opt.step()
-    with pytest.raises(OSError, match=r"failed in chunk 2 of 2 .*restore a commit"):
+    # Never a hang: the next step says what happened and what to do.
+    with pytest.raises(OSError, match=r"failed in chunk 2 of 3 .*restore a commit"):
         opt.step()
     for state in states:
         state.restore()
