@@ -473,3 +473,32 @@ def test_a_file_system_that_refuses_o_direct_gets_plain_io(mount):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     for p, q in zip(a.parameters(), b.parameters()):
         assert all(torch.equal(sa[p][key], sb[q][key]) for key in sb[q])
+
+
+class _Slow(torch.optim.AdamW):
+    """AdamW whose every step also sleeps: compute the swap's reads should overlap."""
+
+    def step(self, closure=None):
+        import time
+        time.sleep(0.2)
+        return super().step(closure)
+
+
+def test_io_timers_count_the_io_not_the_compute_it_overlaps(tmp_path):
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 4))
+        return model, _Slow(model.parameters(), lr=1e-2)
+
+    # Buffers of 40 KiB: three chunks; each chunk's step sleeps 0.2 s while the next
+    # chunk's state is read. A read timed to the end of its wait would count the sleep.
+    pairs = pair(build, str(tmp_path), buffer_mb=40 / 1024)
+    step_both(pairs, 3)
+    assert_same(pairs)
+    m = pairs[0][1].swap_metrics()
+    assert m["swap_steps"] == 3 and m["swap_step_s"] >= 3 * 3 * 0.2
+    # The reads' own time is far below the sleeps they overlapped (a margin of 0.9 s).
+    assert m["swap_read_s"] < m["swap_step_s"] / 2
+    assert 0 <= m["swap_hidden_s"] <= m["swap_io_s"]
+    assert m["swap_read_bytes"] > 0 and m["swap_written_bytes"] > 0

@@ -442,24 +442,73 @@ class SwappedState:
 
     def _write_all(self, layout, fill):
         """A new live generation of ``layout``, each entry written a buffer at a time with
-        what ``fill(entry, param, buffer, start, size)`` puts at the buffer's start."""
+        what ``fill(entry, param, buffer, start, size)`` puts at the buffer's start, as a
+        step writes: the pool's buffers in flight on the I/O threads."""
         generation, out = self._create(layout)
-        buffer = self._pool.take()
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle, writing = list(buffers), []
         try:
             for param_layout in layout.params:
                 for entry in param_layout.entries:
                     for start in range(0, entry.nbytes, self.buffer_bytes):
+                        if not idle:
+                            done, transfer = writing.pop(0)
+                            transfer.wait()
+                            idle.append(done)
+                        buffer = idle.pop()
                         size = min(self.buffer_bytes, entry.nbytes - start)
                         fill(entry, param_layout.param, buffer, start, size)
-                        out.write(buffer.memory(0, aligned(size)), entry.offset + start)
+                        writing.append((buffer, self._submit(
+                            out, buffer, [(entry.offset + start, 0, aligned(size))], True, [])))
+            while writing:
+                writing.pop(0)[1].wait()
         except BaseException:
+            for _, transfer in writing:
+                transfer.settle()
             out.close()
             self._unlink(generation)
             raise
         finally:
-            self._pool.give_back(buffer)
+            for buffer in buffers:
+                self._pool.give_back(buffer)
         out.close()
         self._set_live(generation, layout)
+
+    def move_bytes(self, write):
+        """Move the live generation's size through the pool as a step moves it (the I/O
+        threads, requests of IO_BYTES, every buffer in flight): read the live file, or
+        write a scratch file that is then removed. Returns the bytes moved. For
+        benchmarks/optimizer_swap.py: the swapper's own disk speed, without the optimizer."""
+        layout = self.layout()
+        if layout is None:
+            return 0
+        if write:
+            generation, file = self._create(layout)
+        else:
+            generation, file = None, self._open(self.live)
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle, moving = list(buffers), []
+        try:
+            for start in range(0, layout.nbytes, self.buffer_bytes):
+                if not idle:
+                    done, transfer = moving.pop(0)
+                    transfer.wait()
+                    idle.append(done)
+                buffer = idle.pop()
+                size = min(self.buffer_bytes, layout.nbytes - start)
+                moving.append((buffer, self._submit(file, buffer, [(start, 0, size)], write,
+                                                    [])))
+            while moving:
+                moving.pop(0)[1].wait()
+        finally:
+            for _, transfer in moving:
+                transfer.settle()
+            for buffer in buffers:
+                self._pool.give_back(buffer)
+            file.close()
+            if generation is not None:
+                self._unlink(generation)
+        return layout.nbytes
 
     def remove_stale(self):
         """Remove the swap folders in swap_dir whose owner is gone (their lock is free): a
