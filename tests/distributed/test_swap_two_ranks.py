@@ -35,3 +35,23 @@ def test_layouts_that_change_at_two_ranks_stay_bitwise_as_in_memory(tmp_path):
         assert memory[rank]["steps"] == steps
         for got, want in zip(swapped[rank]["steps"], steps):
             assert got == want, (rank, want["label"])
+
+
+def test_a_full_disk_on_one_rank_fails_the_step_on_every_rank_alike(tmp_path):
+    import subprocess
+    full = tmp_path / "full"
+    full.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(full)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root and mount rights: {done.stderr.strip()}")
+    try:
+        reports = run_ranks("swap_full.py", np=2,
+                            args=[tmp_path / "disk", full]).check().reports
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False)
+    for rank in (0, 1):
+        assert "the optimizer step was not taken" in reports[rank]["error"], rank
+        assert "No space left on device (errno ENOSPC)" in reports[rank]["error"], rank
+        assert reports[rank]["unchanged"], rank
+    assert reports[0]["after"] == reports[1]["after"], "training went on alike"
