@@ -3,6 +3,7 @@ as with the state in memory, commits, restores and checkpoints without loading i
 clear errors about where it goes."""
 import os
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -344,14 +345,21 @@ def test_folders_belong_to_their_owner_while_it_lives(tmp_path):
 
 
 def test_a_shared_swap_dir_keeps_other_users_folders_apart(shared_tmp):
+    victim = tempfile.mkdtemp()                  # a folder of ours, outside swap_dir
+    open(os.path.join(victim, "keep"), "w").close()
+
     def plant():
         os.mkdir(os.path.join(shared_tmp, "hvd_adapt-swap-planted"), 0o700)
+        # A link that looks like a stale folder of ours: following it would empty victim.
+        os.symlink(victim, os.path.join(shared_tmp, "hvd_adapt-swap-link"))
     as_other_user(plant)
     pairs = pair(mlp, shared_tmp)
     step_both(pairs, 2)
     assert_same(pairs)
     assert "hvd_adapt-swap-planted" in swap_folders(shared_tmp), "another user's folder is kept"
-    [mine] = [n for n in swap_folders(shared_tmp) if n != "hvd_adapt-swap-planted"]
+    assert os.path.exists(os.path.join(victim, "keep")), "a planted link is never followed"
+    [mine] = [n for n in swap_folders(shared_tmp)
+              if n not in ("hvd_adapt-swap-planted", "hvd_adapt-swap-link")]
     st = os.lstat(os.path.join(shared_tmp, mine))
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
 
