@@ -102,7 +102,7 @@ class SwappedState:
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
         self._finalizer = weakref.finalize(self, _close, self._pool, self._io, self.root,
-                                           self._root_fd)
+                                           self._root_fd, directory)
         state_bytes = sum(self._whole_bytes(p) for p in params)
         log.info("optimizer state on disk in %s: about %.2f GB, %d buffers of %.1f MiB%s",
                  self.root, state_bytes / 1e9, BUFFERS, self.buffer_bytes / 2 ** 20,
@@ -517,8 +517,8 @@ class SwappedState:
         remove_unlocked_folders(self._directory, PREFIX)
 
     def close(self):
-        """Remove the files and free the buffers (also when the optimizer is collected, and
-        at interpreter exit)."""
+        """Remove the files, free the buffers, and remove the folders of owners that are
+        gone (also when the optimizer is collected, and at interpreter exit)."""
         self._finalizer()
 
 
@@ -724,11 +724,14 @@ class _StepRun:
                 "non-elementwise state: the optimizer does not step it elementwise")
 
 
-def _close(pool, io, root, root_fd):
+def _close(pool, io, root, root_fd, directory):
     io.shutdown(wait=True)
     pool.release()
     shutil.rmtree(root, ignore_errors=True)
     os.close(root_fd)
+    # A worker Horovod removed from the job ends without its clean-up: the last to leave
+    # takes its folder too.
+    remove_unlocked_folders(directory, PREFIX)
 
 
 def _merged(intervals):
