@@ -510,3 +510,18 @@ def test_io_timers_count_the_io_not_the_compute_it_overlaps(tmp_path):
     assert m["swap_read_s"] < m["swap_step_s"] / 2
     assert 0 <= m["swap_hidden_s"] <= m["swap_io_s"]
     assert m["swap_read_bytes"] > 0 and m["swap_written_bytes"] > 0
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_folder(tmp_path):
+    pairs = pair(mlp, str(tmp_path))
+    step_both(pairs, 1)
+    pid = os.fork()
+    if pid == 0:
+        import atexit
+        try:
+            atexit._run_exitfuncs()     # what a child exiting normally runs (finalizers)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    step_both(pairs, 1)
+    assert_same(pairs)

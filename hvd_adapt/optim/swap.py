@@ -102,7 +102,7 @@ class SwappedState:
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
         self._finalizer = weakref.finalize(self, _close, self._pool, self._io, self.root,
-                                           self._root_fd, directory)
+                                           self._root_fd, directory, os.getpid())
         state_bytes = sum(self._whole_bytes(p) for p in params)
         log.info("optimizer state on disk in %s: about %.2f GB, %d buffers of %.1f MiB%s",
                  self.root, state_bytes / 1e9, BUFFERS, self.buffer_bytes / 2 ** 20,
@@ -724,7 +724,10 @@ class _StepRun:
                 "non-elementwise state: the optimizer does not step it elementwise")
 
 
-def _close(pool, io, root, root_fd, directory):
+def _close(pool, io, root, root_fd, directory, owner):
+    if os.getpid() != owner:
+        # A forked child that exits normally runs finalizers too: the folder is its parent's.
+        return
     io.shutdown(wait=True)
     pool.release()
     shutil.rmtree(root, ignore_errors=True)
