@@ -1,208 +1,214 @@
-"""Optimizer state on disk (``swap_dir``) against the state in memory, in one invocation.
+"""Optimizer state on disk (``swap_dir``) against raw disk I/O and against the state in
+memory, in one invocation.
 
-Three measurements, ratios side by side:
-
-- **disk**: the swapper's write (``load``) and read (``read_back``, the way a
-  step reads) of the state's bytes, against a plain sequential ``pwrite``/
-  ``pread`` of the same bytes in 8 MiB pieces on the same file system
-  (``O_DIRECT`` where it takes it, so the page cache does not answer);
-- **memory**: peak RSS (``VmHWM``) of an AdamW job whose optimizer state
-  is ``--state-gb`` (an MLP of 4096-wide layers), swapped against in memory,
-  each in a process of its own;
-- **step time**: the median optimizer step of that job, swapped over in
-  memory, at 1 and 2 processes, with 1 and 4 micro-steps of accumulation,
-  and the fraction of the swap's I/O time hidden behind the optimizer's
-  own work (1 - waited / (read + write)).
-
-DeepSpeed's swapper, at its published 3.7 GB/s read and 3.2 GB/s write on one
-PCIe Gen4 drive, is printed beside: the seconds the same bytes would take.
+- **disk**: the swapper's writes and reads of a ``--state-gb`` state, as a step
+  moves it (``move_bytes``: the pool's buffers in flight on its I/O threads, checked
+  transfers; a write reserves a new file with ``posix_fallocate``), against raw
+  ``pwrite``/``pread`` at the **same concurrency and request size** (``--workers``
+  threads, 8 MiB requests): both read the swapper's live generation file, both
+  write a fresh file reserved the same way. ``O_DIRECT`` on both sides (no page
+  cache), interleaved, ``--rounds`` rounds; medians and ranges.
+- **memory and step time**: an AdamW job whose largest parameter is an embedding
+  (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
+  memory, each in a process of its own: peak RSS (``VmHWM``) saved over the
+  state's bytes, and the median optimizer step with ``--micro`` micro-steps against
+  the physical bound max(in-memory step, state / raw read + state / raw write).
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
-                                        [--procs 1,2] [--steps 3] [--json out.json]
+                                        [--jobs-gb 0.5,2] [--rounds 3] [--json out.json]
 """
 import argparse
+import concurrent.futures
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.abspath(__file__)
-WIDTH = 4096
-PIECE = 8 << 20
-DEEPSPEED_READ_GBPS, DEEPSPEED_WRITE_GBPS = 3.7, 3.2
+WIDTH = 2048
+SIDE = 4096                 # the disk test's parameters: SIDE x SIDE fp32
 
 
-def layers_for(state_gb):
-    """Linear(4096, 4096) layers whose AdamW state (two fp32 moments) is ``state_gb``."""
-    per_layer = 2 * 4 * (WIDTH * WIDTH + WIDTH)
-    return max(1, round(state_gb * 1e9 / per_layer))
-
-
-def raw_disk(folder, nbytes):
-    """Seconds to write then read ``nbytes`` sequentially in one file of ``folder``."""
-    from hvd_adapt.optim.swap import AlignedBuffer
-    buffer = AlignedBuffer(PIECE, pin=False)
-    buffer.bytes.random_(0, 255)
-    view = memoryview(buffer.bytes.numpy())
-    path = os.path.join(folder, "raw.bin")
-    flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
-    try:
-        fd = os.open(path, flags | os.O_DIRECT, 0o600)
-        direct = True
-    except OSError:
-        fd, direct = os.open(path, flags, 0o600), False
-    started = time.perf_counter()
-    for offset in range(0, nbytes, PIECE):
-        os.pwritev(fd, [view], offset)
-    os.fsync(fd)
-    write = time.perf_counter() - started
-    os.close(fd)
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    started = time.perf_counter()
-    for offset in range(0, nbytes, PIECE):
-        os.preadv(fd, [view], offset)
-    read = time.perf_counter() - started
-    os.close(fd)
-    os.remove(path)
-    return write, read, direct
-
-
-def swapper_disk(folder, layers):
-    """Seconds the swapper takes to write (load) and read back the state of ``layers``."""
+def disk(folder, state_gb, rounds, workers):
+    """Rounds of swapper and raw writes and reads of the same bytes, interleaved."""
     import torch
-    from hvd_adapt.optim.swap import SwappedState
-    params = [torch.nn.Parameter(torch.empty(WIDTH, WIDTH)) for _ in range(layers)]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    swapped = SwappedState(opt, folder)
-    states = {p: {"step": torch.tensor(1.0), "exp_avg": torch.randn(WIDTH, WIDTH),
-                  "exp_avg_sq": torch.rand(WIDTH, WIDTH)} for p in params}
-    started = time.perf_counter()
+    from hvd_adapt.optim.swap import IO_BYTES, SwappedState
+    from hvd_adapt.optim.swap_io import AlignedBuffer
+    count = max(1, round(state_gb * 1e9 / (2 * 4 * SIDE * SIDE)))
+    params = [torch.nn.Parameter(torch.empty(SIDE, SIDE)) for _ in range(count)]
+    swapped = SwappedState(torch.optim.AdamW(params), folder, workers=workers, o_direct=True)
+    value = torch.randn(SIDE, SIDE)     # every entry's bytes: the state costs no memory
+    states = {p: {"step": torch.tensor(1.0), "exp_avg": value, "exp_avg_sq": value}
+              for p in params}
+    buffers = [AlignedBuffer(IO_BYTES, pin=False) for _ in range(workers)]
+    for buffer in buffers:
+        buffer.bytes.random_(0, 255)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+
+    def raw(path, nbytes, write):
+        """``workers`` threads moving 8 MiB requests, each its own buffer, O_DIRECT; a short
+        transfer is an error (the swapper checks every one too)."""
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        if write:
+            os.posix_fallocate(fd, 0, nbytes)
+        local = threading.local()
+
+        def request(offset):
+            # One request per task from a shared queue, as the swapper dispatches them.
+            if not hasattr(local, "view"):
+                local.view = memoryview(buffers[next(lanes)].bytes.numpy())
+            size = min(IO_BYTES, nbytes - offset)
+            call = os.pwritev if write else os.preadv
+            if call(fd, [local.view[:size]], offset) != size:
+                raise OSError(f"short raw transfer at {offset}")
+
+        lanes = iter(range(workers))
+        list(pool.map(request, range(0, nbytes, IO_BYTES)))
+        os.close(fd)
+
     swapped.load(states)
-    write = time.perf_counter() - started
-    del states
-    started = time.perf_counter()
-    nbytes = swapped.read_back()
-    read = time.perf_counter() - started
+    nbytes = swapped.layout().nbytes
+    live = os.path.join(swapped.root, f"gen{swapped.live}.bin")
+    results = {key: [] for key in ("swap_write", "raw_write", "swap_read", "raw_read")}
+    for r in range(rounds):
+        for kind in ("swap", "raw") if r % 2 == 0 else ("raw", "swap"):
+            for direction in ("write", "read"):
+                started = time.perf_counter()
+                if kind == "swap":
+                    swapped.move_bytes(write=direction == "write")
+                elif direction == "write":
+                    # Removed inside the timing, as the swapper removes its scratch file.
+                    path = os.path.join(folder, f"raw{r}.bin")
+                    raw(path, nbytes, True)
+                    os.remove(path)
+                else:
+                    raw(live, nbytes, False)
+                results[f"{kind}_{direction}"].append(time.perf_counter() - started)
     swapped.close()
-    return write, read, nbytes
+    pool.shutdown()
+    gbps = {key: [nbytes / 1e9 / s for s in values] for key, values in results.items()}
+    return nbytes, gbps
+
+
+def model_for(state_gb):
+    """An embedding (40% of the parameters) and Linear(WIDTH, WIDTH) layers whose AdamW
+    state (two fp32 moments) is ``state_gb``."""
+    params = state_gb * 1e9 / 8
+    vocab = int(0.4 * params / WIDTH)
+    layers = max(1, round(0.6 * params / (WIDTH * WIDTH + WIDTH)))
+    return vocab, layers
 
 
 def worker(args):
     """One job: ``--mode memory|swap``, ``--micro`` micro-steps per optimizer step."""
-    import statistics
-    import horovod.torch as hvd
     import torch
     import hvd_adapt
     hvd_adapt.init()
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(args.layers)]
-    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
+    vocab, layers = model_for(args.gb)
+    model = torch.nn.Sequential(
+        torch.nn.EmbeddingBag(vocab, WIDTH),
+        *[m for _ in range(layers) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
     opt = hvd_adapt.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01),
-        swap_dir=args.swap_dir if args.mode == "swap" else None, measure_noise=False)
-    micro = int(args.micro)
-    batch = args.batch * hvd.size() * micro
-    data = torch.utils.data.TensorDataset(torch.randn(batch * (args.steps + 2), WIDTH))
-    loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=batch)
-    if micro > 1:
-        loader.autoscale_batch_size(batch, local_bsz_bounds=(args.batch, args.batch),
-                                    gradient_accumulation=True, decide_every=10 ** 6)
-    hvd_adapt.State(model=model, optimizer=opt, loader=loader).sync()
-    times, last = [], None
-    for (x,) in loader:
+        swap_dir=args.swap_dir if args.mode == "swap" else None, measure_noise=False,
+        swap_buffer_mb=args.buffer_mb)
+    state_bytes = sum(2 * p.numel() * p.element_size() for p in model.parameters())
+    tokens = torch.Generator().manual_seed(1)
+    times = []
+    for step in range(args.steps + 1):
+        started = time.perf_counter()
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        for _ in range(args.micro):
+            x = torch.randint(vocab, (args.batch, 16), generator=tokens)
+            model(x).pow(2).mean().backward()
         opt.step()
-        if not loader.is_optim_step():
-            continue
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-        if len(times) == args.steps:
-            break
+        if step:                        # the first step creates the state
+            times.append(time.perf_counter() - started)
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-    if hvd.rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"step_s": statistics.median(times), "peak_bytes": peak,
-                       "swap": opt.swap_metrics()}, f)
+    with open(args.out, "w") as f:
+        json.dump({"step_s": statistics.median(times), "peak_bytes": peak,
+                   "state_bytes": state_bytes,
+                   "embedding_share": vocab * WIDTH / sum(p.numel() for p in model.parameters()),
+                   "swap": opt.swap_metrics()}, f)
 
 
-def launch(procs, mode, micro, args):
+def launch(mode, gb, args):
     out = tempfile.mktemp(suffix=".json")
-    script = [sys.executable, HERE, "--worker", "--mode", mode, "--micro", str(micro), "--out",
-              out, "--layers", str(args.layers), "--steps", str(args.steps), "--batch",
-              str(args.batch), "--swap-dir", args.swap_dir]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if procs > 1:
-        script = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(procs),
-                  "-H", f"localhost:{procs}", "--gloo", "--network-interface", "lo"] + script
-    subprocess.run(script, env=env, check=True, stdout=subprocess.DEVNULL)
+    command = [sys.executable, HERE, "--worker", "--mode", mode, "--gb", str(gb), "--out", out,
+               "--micro", str(args.micro), "--steps", str(args.steps), "--batch",
+               str(args.batch), "--swap-dir", args.swap_dir, "--buffer-mb", str(args.buffer_mb)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
-        return json.load(f)
+        result = json.load(f)
+    os.remove(out)
+    return result
+
+
+def spread(values):
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default=None, help="default: a folder under /tmp")
-    parser.add_argument("--state-gb", type=float, default=2.0)
-    parser.add_argument("--procs", default="1,2")
-    parser.add_argument("--micro", default="1,4", help="micro-steps per optimizer step")
+    parser.add_argument("--state-gb", type=float, default=2.0, help="the disk test's state")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4, help="I/O threads, both sides")
+    parser.add_argument("--jobs-gb", default="0.5,2", help="the jobs' AdamW states, GB")
+    parser.add_argument("--micro", type=int, default=4, help="micro-steps per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
-    parser.add_argument("--batch", type=int, default=8, help="samples per micro-step per replica")
+    parser.add_argument("--batch", type=int, default=8, help="samples per micro-step")
+    parser.add_argument("--buffer-mb", type=float, default=16, help="each swap buffer")
     parser.add_argument("--json", default=None,
                         help="also write the results here (relative: under benchmarks/results/)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gb", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
     args.swap_dir = args.swap_dir or tempfile.mkdtemp(prefix="hvd_adapt_swap_bench_")
     os.makedirs(args.swap_dir, exist_ok=True)
-    args.layers = layers_for(args.state_gb)
-    results = {"state_gb": args.state_gb, "layers": args.layers, "swap_dir": args.swap_dir}
-
-    swap_write, swap_read, nbytes = swapper_disk(args.swap_dir, args.layers)
-    raw_write, raw_read, direct = raw_disk(args.swap_dir, nbytes)
-    gb = nbytes / 1e9
-    disk = {"bytes": nbytes, "o_direct": direct,
-            "raw_write_gbps": gb / raw_write, "raw_read_gbps": gb / raw_read,
-            "swap_write_gbps": gb / swap_write, "swap_read_gbps": gb / swap_read,
-            "deepspeed_seconds": gb / DEEPSPEED_READ_GBPS + gb / DEEPSPEED_WRITE_GBPS}
-    results["disk"] = disk
-    print(f"state {gb:.2f} GB ({args.layers} x Linear({WIDTH}, {WIDTH}), AdamW), "
-          f"O_DIRECT {'yes' if direct else 'no'}")
-    print(f"{'':>8} {'raw GB/s':>9} {'swap GB/s':>10} {'swap/raw':>9}")
+    nbytes, gbps = disk(args.swap_dir, args.state_gb, args.rounds, args.workers)
+    results = {"disk_bytes": nbytes, "workers": args.workers, "rounds": args.rounds,
+               "disk_gbps": gbps}
+    print(f"disk: {nbytes / 1e9:.2f} GB, {args.workers} threads, 8 MiB requests, O_DIRECT, "
+          f"{args.rounds} rounds interleaved; GB/s median [range]")
     for kind in ("write", "read"):
-        raw, swap = disk[f"raw_{kind}_gbps"], disk[f"swap_{kind}_gbps"]
-        print(f"{kind:>8} {raw:>9.2f} {swap:>10.2f} {swap / raw:>9.2f}")
-    print(f"DeepSpeed's swapper at 3.7/3.2 GB/s: {disk['deepspeed_seconds']:.2f} s for the same "
-          f"bytes read and written")
-
+        ratios = [s / r for s, r in zip(gbps[f"swap_{kind}"], gbps[f"raw_{kind}"])]
+        print(f"  {kind:>5}: raw {spread(gbps[f'raw_{kind}'])}  swapper "
+              f"{spread(gbps[f'swap_{kind}'])}  swapper/raw {spread(ratios)}")
+    raw_read = statistics.median(gbps["raw_read"])
+    raw_write = statistics.median(gbps["raw_write"])
     runs = []
-    print(f"{'procs':>5} {'micro':>5} {'memory_s':>9} {'swap_s':>8} {'ratio':>6} {'hidden':>7} "
-          f"{'memory_GB':>10} {'swap_GB':>8} {'saved/state':>11}")
-    for procs in [int(p) for p in args.procs.split(",")]:
-        for micro in [int(m) for m in args.micro.split(",")]:
-            memory = launch(procs, "memory", micro, args)
-            swap = launch(procs, "swap", micro, args)
-            stats = swap["swap"]
-            io = stats["swap_read_s"] + stats["swap_write_s"]
-            hidden = 1 - stats["swap_wait_s"] / io if io else 0.0
-            row = {"procs": procs, "micro": micro, "memory_step_s": memory["step_s"],
-                   "swap_step_s": swap["step_s"], "ratio": swap["step_s"] / memory["step_s"],
-                   "hidden": hidden, "memory_peak_bytes": memory["peak_bytes"],
-                   "swap_peak_bytes": swap["peak_bytes"],
-                   "saved_over_state": (memory["peak_bytes"] - swap["peak_bytes"]) / nbytes}
-            runs.append(row)
-            print(f"{procs:>5} {micro:>5} {row['memory_step_s']:>9.2f} {row['swap_step_s']:>8.2f} "
-                  f"{row['ratio']:>6.2f} {hidden:>7.2f} {memory['peak_bytes'] / 1e9:>10.2f} "
-                  f"{swap['peak_bytes'] / 1e9:>8.2f} {row['saved_over_state']:>11.2f}", flush=True)
+    print(f"{'state GB':>8} {'emb':>5} {'memory s':>9} {'swap s':>7} {'bound s':>8} "
+          f"{'swap/bound':>10} {'hidden':>7} {'memory GB':>10} {'swap GB':>8} {'saved/state':>11}")
+    for gb in [float(g) for g in args.jobs_gb.split(",") if g]:
+        memory = launch("memory", gb, args)
+        swap = launch("swap", gb, args)
+        state = swap["state_bytes"]
+        bound = max(memory["step_s"], state / 1e9 / raw_read + state / 1e9 / raw_write)
+        stats = swap["swap"]
+        row = {"state_gb": state / 1e9, "embedding_share": swap["embedding_share"],
+               "memory_step_s": memory["step_s"], "swap_step_s": swap["step_s"],
+               "bound_s": bound, "swap_over_bound": swap["step_s"] / bound,
+               "hidden": stats["swap_hidden_s"] / stats["swap_io_s"] if stats["swap_io_s"] else 0,
+               "memory_peak_bytes": memory["peak_bytes"], "swap_peak_bytes": swap["peak_bytes"],
+               "saved_over_state": (memory["peak_bytes"] - swap["peak_bytes"]) / state}
+        runs.append(row)
+        print(f"{row['state_gb']:>8.2f} {row['embedding_share']:>5.2f} "
+              f"{row['memory_step_s']:>9.2f} {row['swap_step_s']:>7.2f} {bound:>8.2f} "
+              f"{row['swap_over_bound']:>10.2f} {row['hidden']:>7.2f} "
+              f"{row['memory_peak_bytes'] / 1e9:>10.2f} {row['swap_peak_bytes'] / 1e9:>8.2f} "
+              f"{row['saved_over_state']:>11.2f}", flush=True)
     results["runs"] = runs
     if args.json:
         import record

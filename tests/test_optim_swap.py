@@ -3,6 +3,7 @@ as with the state in memory, commits, restores and checkpoints without loading i
 clear errors about where it goes."""
 import os
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 import hvd_adapt
 from hvd_adapt import AdaptiveDataLoader, DistributedOptimizer, State
+from second_user import as_other_user, shared_tmp  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -112,15 +114,20 @@ def test_commit_restore_and_checkpoint_with_the_state_on_disk(tmp_path):
                in zip(state_tensors(fresh_opt), committed_state))
 
 
+def swap_folders(directory):
+    return sorted(name for name in os.listdir(directory) if name.startswith("hvd_adapt-swap-"))
+
+
 def test_files_are_private_and_removed_when_done(tmp_path):
     model, opt, loader, state, _ = make("adamw", str(tmp_path), buffer_mb=0.05)
     train(model, opt, loader, None, 2)
-    import socket
-    root = tmp_path / f"hvd_adapt-swap-{socket.gethostname()}-{os.getpid()}"
+    [name] = swap_folders(tmp_path)
+    root = tmp_path / name
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     files = [os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names]
     assert files and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
     # Live and committed generations only: older ones are gone.
-    assert len(os.listdir(root)) <= 2
+    assert len(files) <= 2
     opt._swap.close()
     assert not root.exists()
 
@@ -141,3 +148,380 @@ def test_where_the_state_cannot_go_is_named(tmp_path, monkeypatch):
 def test_a_buffer_too_small_for_one_parameter_says_how_large_it_must_be(tmp_path):
     with pytest.raises(ValueError, match="pass swap_buffer_mb >="):
         make("adamw", str(tmp_path), buffer_mb=0.001)
+
+
+# -- issue 33: the state on disk never corrupts ------------------------------------------
+
+def pair(build, swap_dir, buffer_mb=0.05):
+    """The same model and optimizer twice, seeded alike: state on disk, state in memory."""
+    out = []
+    for where in (swap_dir, None):
+        torch.manual_seed(0)
+        model, inner = build()
+        out.append((model, DistributedOptimizer(inner, swap_dir=where,
+                                                 swap_buffer_mb=buffer_mb if where else None)))
+    return out
+
+
+def step_both(pairs, steps=1, batch=None):
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=batch) if batch is not None else None
+        for model, opt in pairs:
+            gen = torch.Generator().manual_seed(len(opt.state_dict()["param_groups"]) + 7)
+            inp = x if x is not None else torch.randn(8, model[0].in_features, generator=gen)
+            opt.zero_grad()
+            model(inp).pow(2).mean().backward()
+            opt.step()
+
+
+def assert_same(pairs):
+    (a, opt_a), (b, opt_b) = pairs
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sorted(sa) == sorted(sb)
+    for i in sa:
+        assert sorted(sa[i]) == sorted(sb[i]), i
+        for key in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
+
+
+def mlp():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def test_a_param_group_added_later_is_stepped_and_kept(tmp_path):
+    pairs = pair(mlp, str(tmp_path))
+    step_both(pairs, 2)
+    for model, opt in pairs:
+        extra = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(extra.weight, 0.5)
+        torch.nn.init.zeros_(extra.bias)
+        model.append(extra)
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+    before = pairs[0][0][3].weight.detach().clone()
+    step_both(pairs, 3)
+    assert not torch.equal(before, pairs[0][0][3].weight), "the added layer moved"
+    assert_same(pairs)
+
+
+def test_a_restore_reads_the_commit_with_the_layout_it_was_written_with(tmp_path):
+    runs = []
+    for where in (str(tmp_path / "swap"), None):
+        torch.manual_seed(0)
+        model, inner = mlp()
+        model[2].weight.requires_grad_(False)       # frozen: no state until unfrozen
+        opt = DistributedOptimizer(inner, swap_dir=where, swap_buffer_mb=0.05 if where else None)
+        state = State(model=model, optimizer=opt)
+        pairs = [(model, opt)]
+        step_both(pairs, 2)
+        state.commit()
+        model[2].weight.requires_grad_(True)        # unfrozen: the layout grows
+        step_both(pairs, 2)
+        state.restore()
+        path = str(tmp_path / f"ckpt-{where is None}.pt")
+        state.save_checkpoint(path)
+        step_both(pairs, 1)
+        runs.append((model, opt, path))
+    assert_same([runs[0][:2], runs[1][:2]])
+    steps = {float(v["step"]) for v in runs[0][1].state_dict()["state"].values()}
+    assert steps == {3.0, 1.0}, "restored at step 2, then one more; the unfrozen weight once"
+    # The commit's checkpoint (written after the layout grew) loads as the in-memory one.
+    loaded = []
+    for _, _, path in runs:
+        torch.manual_seed(0)
+        model, inner = mlp()
+        opt = DistributedOptimizer(inner)
+        assert State(model=model, optimizer=opt).load_checkpoint(path)
+        loaded.append((model, opt))
+    assert_same(loaded)
+
+
+@pytest.mark.parametrize("options", [
+    {"foreach": False}, {"foreach": True}, {"fused": True}, {"amsgrad": True}, "sgd"],
+    ids=["adamw-for-loop", "adamw-foreach", "adamw-fused", "adamw-amsgrad", "sgd-momentum"])
+def test_large_parameters_step_in_pieces_bitwise_as_whole(options, tmp_path):
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 3000), torch.nn.Tanh(),
+                                    torch.nn.Linear(3000, 4))
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if options == "sgd" \
+            else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **options)
+        return model, inner
+
+    # 48,000-element weights, buffers of 64 KiB: every weight's state is split in pieces.
+    pairs = pair(build, str(tmp_path), buffer_mb=0.0625)
+    largest = max(p.numel() * 4 for p in pairs[0][0].parameters())
+    state_bytes = largest * (1 if options == "sgd" else 3 if options == {"amsgrad": True} else 2)
+    assert pairs[0][1]._swap.buffer_bytes < state_bytes / 2, "the pool does not grow with it"
+    step_both(pairs, 3)
+    assert_same(pairs)
+    assert not pairs[0][1].optimizer.state
+
+
+def test_optimizers_that_are_not_elementwise_are_kept_whole_or_refused(tmp_path):
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 4))
+        return model, torch.optim.Adafactor(model.parameters(), lr=1e-2)
+
+    # Adafactor factors a matrix's second moment (rows and columns): kept whole, exact.
+    pairs = pair(build, str(tmp_path), buffer_mb=0.05)
+    step_both(pairs, 3)
+    assert_same(pairs)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 30000)       # a bias of 120 kB, its second moment as large
+    with pytest.raises(ValueError, match=r"does not update it elementwise.*swap_buffer_mb >="):
+        DistributedOptimizer(torch.optim.Adafactor(model.parameters()), swap_dir=str(tmp_path),
+                             swap_buffer_mb=0.0625)
+    with pytest.raises(ValueError, match="cannot step a probe with LBFGS"):
+        DistributedOptimizer(torch.optim.LBFGS(model.parameters()), swap_dir=str(tmp_path))
+
+
+def test_two_optimizers_share_a_swap_dir_and_a_deleted_one_is_freed(tmp_path):
+    import gc
+    import weakref
+    # A GAN: two swapped optimizers in one process, one swap_dir.
+    first, second = pair(mlp, str(tmp_path)), pair(mlp, str(tmp_path))
+    step_both(first, 2)
+    step_both(second, 2)
+    step_both(first, 1)
+    assert_same(first)
+    assert_same(second)
+    assert len(swap_folders(tmp_path)) == 2
+    inner = weakref.ref(second[0][1].optimizer)
+    del second
+    gc.collect()
+    assert inner() is None, "a deleted optimizer (its inner optimizer, weights, pool) is freed"
+    assert len(swap_folders(tmp_path)) == 1
+    step_both(first, 1)
+    assert_same(first)
+
+
+_HOLDER = """
+import os, sys, time, torch, hvd_adapt
+hvd_adapt.init()
+model = torch.nn.Linear(4, 4)
+opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters()), swap_dir=sys.argv[1])
+model(torch.ones(2, 4)).sum().backward(); opt.step()
+print("ready", flush=True)
+if sys.argv[2] == "crash":
+    os._exit(9)     # no clean-up runs: as a SIGKILL (which PID 1 of a namespace ignores)
+time.sleep(600)
+"""
+
+
+def test_folders_belong_to_their_owner_while_it_lives(tmp_path):
+    import subprocess
+    import sys
+    swap_dir = str(tmp_path)
+
+    # Each job in a PID namespace of its own, as in a container: both see the same PIDs.
+    namespace = ["unshare", "--pid", "--fork", "--kill-child"]
+    if subprocess.run(namespace + ["true"], capture_output=True).returncode != 0:
+        namespace = []      # no namespaces here: the jobs differ in PID, the rest holds
+
+    def start(how):
+        proc = subprocess.Popen(namespace + [sys.executable, "-c", _HOLDER, swap_dir, how],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        return proc
+
+    live = start("live")
+    try:
+        [alive] = swap_folders(swap_dir)
+        start("crash").wait()
+        [crashed] = [name for name in swap_folders(swap_dir) if name != alive]
+        # Another job (same host name, or a container with the same PIDs) starts here: the
+        # crashed job's folder goes, the live job's stays, and both keep working.
+        pairs = pair(mlp, swap_dir)
+        step_both(pairs, 2)
+        assert crashed not in swap_folders(swap_dir) and alive in swap_folders(swap_dir)
+        assert live.poll() is None
+        assert_same(pairs)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_shared_swap_dir_keeps_other_users_folders_apart(shared_tmp):
+    victim = tempfile.mkdtemp()                  # a folder of ours, outside swap_dir
+    open(os.path.join(victim, "keep"), "w").close()
+
+    def plant():
+        os.mkdir(os.path.join(shared_tmp, "hvd_adapt-swap-planted"), 0o700)
+        # A link that looks like a stale folder of ours: following it would empty victim.
+        os.symlink(victim, os.path.join(shared_tmp, "hvd_adapt-swap-link"))
+    as_other_user(plant)
+    pairs = pair(mlp, shared_tmp)
+    step_both(pairs, 2)
+    assert_same(pairs)
+    assert "hvd_adapt-swap-planted" in swap_folders(shared_tmp), "another user's folder is kept"
+    assert os.path.exists(os.path.join(victim, "keep")), "a planted link is never followed"
+    [mine] = [n for n in swap_folders(shared_tmp)
+              if n not in ("hvd_adapt-swap-planted", "hvd_adapt-swap-link")]
+    st = os.lstat(os.path.join(shared_tmp, mine))
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """``mount(kind, size)``: a fresh file system of ``kind`` (tmpfs, ramfs) mounted by the
+    test; skipped where this user may not mount one."""
+    import subprocess
+    points = []
+
+    def make(kind, size=None):
+        point = tmp_path / f"{kind}{len(points)}"
+        point.mkdir()
+        options = ["-o", f"size={size}"] if size else []
+        done = subprocess.run(["mount", "-t", kind] + options + [kind, str(point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"mounting a {kind} needs root and mount rights: {done.stderr.strip()}")
+        points.append(point)
+        return point
+
+    yield make
+    for point in points:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def fill(folder):
+    """Fill ``folder``'s file system; returns the filler's path."""
+    path = os.path.join(folder, "filler")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == 28
+    return path
+
+
+def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
+    swap_dir = mount("tmpfs", "2m")
+    pairs = pair(mlp, str(swap_dir))
+    step_both(pairs, 2)
+    (model, opt), reference = pairs
+    params = [p.detach().clone() for p in model.parameters()]
+    state = state_tensors(opt)
+    filler = fill(swap_dir)
+    for _ in range(2):          # each failure leaves a usable optimizer (no buffer lost)
+        opt.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No "
+                                            r"space left on device \(errno ENOSPC\)"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(state_tensors(opt), state))
+    os.remove(filler)
+    step_both(pairs, 2)
+    assert_same(pairs)
+
+
+class _Flaky(torch.optim.AdamW):
+    """AdamW whose step raises once, at its ``fail_in``-th call from now."""
+    fail_in = None
+
+    def step(self, closure=None):
+        if self.fail_in is not None:
+            self.fail_in -= 1
+            if self.fail_in < 0:
+                self.fail_in = None
+                raise RuntimeError("the inner optimizer failed")
+        return super().step(closure)
+
+
+def test_an_exception_in_a_step_never_hangs_and_a_restore_recovers(tmp_path):
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 4))
+        return model, _Flaky(model.parameters(), lr=1e-2)
+
+    # Buffers of 40 KiB: three chunks, so the failure comes after one was stepped.
+    pairs = pair(build, str(tmp_path), buffer_mb=40 / 1024)
+    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    step_both(pairs, 2)
+    for state in states:
+        state.commit()
+    step_both(pairs, 1)
+    model, opt = pairs[0]
+    opt.optimizer.fail_in = 1
+    opt.zero_grad()
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="the inner optimizer failed"):
+        opt.step()
+    # Never a hang: the next step says what happened and what to do.
+    with pytest.raises(OSError, match=r"failed in chunk 2 of 3 .*restore a commit"):
+        opt.step()
+    for state in states:
+        state.restore()
+    step_both(pairs, 2)
+    assert_same(pairs)
+
+
+def test_a_file_system_that_refuses_o_direct_gets_plain_io(mount):
+    from hvd_adapt.optim.swap import SwappedState
+    swap_dir = mount("ramfs")
+    models = []
+    for where in (swap_dir, None):
+        torch.manual_seed(0)
+        model, inner = mlp()
+        swapped = SwappedState(inner, str(swap_dir), buffer_mb=0.05, o_direct=True) \
+            if where else None
+        for i in range(3):
+            inner.zero_grad()
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))) \
+                .pow(2).mean().backward()
+            swapped.step() if swapped else inner.step()
+        models.append((model, swapped.state_tensors() if swapped else inner.state))
+    (a, sa), (b, sb) = models
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert all(torch.equal(sa[p][key], sb[q][key]) for key in sb[q])
+
+
+class _Slow(torch.optim.AdamW):
+    """AdamW whose every step also sleeps: compute the swap's reads should overlap."""
+
+    def step(self, closure=None):
+        import time
+        time.sleep(0.2)
+        return super().step(closure)
+
+
+def test_io_timers_count_the_io_not_the_compute_it_overlaps(tmp_path):
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 4))
+        return model, _Slow(model.parameters(), lr=1e-2)
+
+    # Buffers of 40 KiB: three chunks; each chunk's step sleeps 0.2 s while the next
+    # chunk's state is read. A read timed to the end of its wait would count the sleep.
+    pairs = pair(build, str(tmp_path), buffer_mb=40 / 1024)
+    step_both(pairs, 3)
+    assert_same(pairs)
+    m = pairs[0][1].swap_metrics()
+    assert m["swap_steps"] == 3 and m["swap_step_s"] >= 3 * 3 * 0.2
+    # The reads' own time is far below the sleeps they overlapped (a margin of 0.9 s).
+    assert m["swap_read_s"] < m["swap_step_s"] / 2
+    assert 0 <= m["swap_hidden_s"] <= m["swap_io_s"]
+    assert m["swap_read_bytes"] > 0 and m["swap_written_bytes"] > 0
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_folder(tmp_path):
+    pairs = pair(mlp, str(tmp_path))
+    step_both(pairs, 1)
+    pid = os.fork()
+    if pid == 0:
+        import atexit
+        try:
+            atexit._run_exitfuncs()     # what a child exiting normally runs (finalizers)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    step_both(pairs, 1)
+    assert_same(pairs)

@@ -17,7 +17,9 @@ planted link. Standard library only: the discovery script imports it.
 b'{}'
 """
 import errno
+import fcntl
 import os
+import shutil
 import stat
 
 
@@ -82,12 +84,14 @@ def user_runtime_folder(name):
     return private_folder(os.path.join(top, name))
 
 
-def create_exclusive(path, mode=0o600, flags=0):
+def create_exclusive(path, mode=0o600, flags=0, dir_fd=None):
     """Open a new file at ``path`` for writing: created here (``O_EXCL``), never through a
-    symlink (``O_NOFOLLOW``), with ``mode``; ``flags`` adds to ``os.open``'s (``O_DIRECT``).
+    symlink (``O_NOFOLLOW``), with ``mode``; ``flags`` adds to ``os.open``'s (``O_RDWR``);
+    ``dir_fd``: ``path`` is relative to that folder (one :func:`new_locked_folder` gave).
     Returns the file descriptor."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                   | flags, mode)
+    access = os.O_RDWR if flags & os.O_RDWR else os.O_WRONLY
+    return os.open(path, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                   | (flags & ~os.O_RDWR), mode, dir_fd=dir_fd)
 
 
 def create_temporary_beside(path, mode=0o600):
@@ -147,3 +151,56 @@ def read_own_file(path, limit=16 << 20, others_may_write=False):
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit} bytes: refusing to read it")
     return data
+
+
+def new_locked_folder(parent, prefix):
+    """Create a new folder ``<parent>/<prefix><random>`` (``parent`` may be shared, like
+    /tmp: the name is unpredictable and ``mkdir`` never follows a link), mode 0700, and hold
+    an exclusive ``flock`` on it while the returned descriptor is open: the folder is in use
+    for as long as its owner lives, whatever host name or PID namespace it runs in.
+    Returns ``(path, fd)``; open files inside it relative to ``fd`` (``dir_fd=fd``), so a
+    folder renamed under us is never followed to another place."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(parent))
+    try:
+        return path, _lock_folder(path)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _lock_folder(path):
+    """A descriptor of folder ``path`` (ours, no link followed) with an exclusive ``flock``
+    held on it; ``BlockingIOError`` when another descriptor holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_owned(os.fstat(fd), path)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def remove_unlocked_folders(parent, prefix):
+    """Remove the folders ``<parent>/<prefix>*`` of ours whose lock is free (their owner
+    ended without removing them: a crash, SIGKILL); a folder in use, another user's, or a
+    link is left alone. Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            fd = _lock_folder(path)
+        except (OSError, UnsafePathError):
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed

@@ -108,6 +108,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = {p: name for name, p in (named_parameters or [])}
         _check_not_hooked(params, names)
+        self._swap = None
+        self._committed_generation = None
+        if swap_dir is not None:
+            # Before any hook: a swap_dir or buffer size it refuses leaves nothing behind.
+            self._swap = SwappedState(optimizer, swap_dir, swap_buffer_mb)
         self.optimizer = optimizer
         # torch's Optimizer.__init__ sets up what step hooks, profiling and
         # state_dict hooks need. The groups and the state stay the wrapped
@@ -139,10 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             sparse_as_dense=sparse_as_dense, names=names)
         for p in params:
             CONTEXT.hooked_params[p] = weakref.ref(self)
-        self._swap = None
-        self._committed_generation = None
-        if swap_dir is not None:
-            self._swap = SwappedState(optimizer, swap_dir, swap_buffer_mb)
+        if self._swap is not None:
             if optimizer.state:
                 # State it had already (a loaded checkpoint) goes to disk too.
                 self._swap.load(dict(optimizer.state))
@@ -367,7 +369,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if closure is not None:
             raise ValueError("step(closure) cannot be used with swap_dir: the state is stepped "
                              "a chunk of parameters at a time, and a closure would run per chunk")
-        self._swap.step()
+        # A full disk on any rank is every rank's error, raised before anything is stepped.
+        self._swap.step(agree=lambda message: [
+            m for m in collective.allgather_object(message, name="hvd_adapt.swap.reserved")
+            if m])
         return None
 
     def swap_metrics(self):

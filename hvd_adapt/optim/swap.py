@@ -1,132 +1,60 @@
-"""Optimizer state on disk: a bounded pool of aligned buffers and asynchronous file I/O, as
-DeepSpeed's optimizer swapper, under any torch optimizer.
+"""Optimizer state on disk: generations of files, and the step that walks them a chunk at a
+time, as DeepSpeed's optimizer swapper, under torch optimizers.
 
 The wrapped optimizer's per-parameter state (Adam's moments and step, a
-momentum buffer, whatever tensors an optimizer keeps) lives in files: one
-file per chunk of parameters per generation, ``<swap_dir>/hvd_adapt-swap-<host>-<pid>/
-gen<g>/chunk<c>.bin`` (a crashed process's folder is removed by the next one on its host),
-every tensor at an offset aligned to the file
-system's 4096-byte block (so ``O_DIRECT`` can bypass the page cache, where
-the file system takes it), mode 0600. A step walks the chunks: chunk i+1 is
-read while chunk i steps (the optimizer stepping only that chunk's
-parameters, its state made of views into a pool buffer), and chunk i-1 is
-written behind, by a thread pool doing ``os.preadv``/``os.pwritev`` in pieces
-(they release the GIL). Only the pool's buffers (three, each the size of the
-largest chunk's state) are in memory; a parameter frozen never has state to
-read.
+momentum buffer, whatever tensors an optimizer keeps: found by stepping a
+probe, see ``swap_layout``) lives in files, one per generation, in a folder of
+this optimizer's own (``<swap_dir>/hvd_adapt-swap-<random>``, created 0700,
+``flock``-ed while it lives: a folder whose lock is free is a dead process's and
+is removed). A step walks chunks of parameters (or of pieces of a large one):
+chunk i+1 is read while chunk i steps (its state made of views into a pool
+buffer) and chunk i-1 is written behind, by a thread pool doing checked
+``os.preadv``/``os.pwritev`` (they release the GIL). Only the pool's three
+buffers are in memory, whatever the largest parameter.
 
-A step never overwrites a file: it writes a new generation, and a
-generation is deleted only once nothing refers to it. So a commit is O(1)
-(it remembers the live generation), a restore switches back to it, and a
-checkpoint maps the committed generation's files (``torch.from_file``: read
-as it is written, not loaded first; an unlinked file stays readable while
-mapped). Chunked steps are bitwise identical to one step over every
-parameter: the optimizers' updates are elementwise per tensor.
+A step never overwrites a file: it reserves the next generation's file (a full
+disk fails here, before anything changes), writes all of it, and only then
+makes it live. A generation carries its layout, so a commit is O(1) (it keeps
+the generation), a restore switches back to it, and a checkpoint maps its file.
 """
-import atexit
 import concurrent.futures
+import errno
 import logging
 import os
 import shutil
-import socket
-import threading
 import time
+import weakref
 
 import torch
 
+from .._runtime.private_files import create_exclusive, new_locked_folder, \
+    remove_unlocked_folders
+from .swap_io import BLOCK, BufferPool, SwapError, SwapFile, aligned
+from .swap_layout import Layout, plan_pieces, probe_makeup, segments
+
 log = logging.getLogger(__name__)
 
-BLOCK = 4096
-PIECE_BYTES = 8 << 20       # one pread/pwrite: 8 MiB
-DEFAULT_BUFFER_MB = 64
+PREFIX = "hvd_adapt-swap-"
+IO_BYTES = 8 << 20          # one pread/pwrite request: 8 MiB
+DEFAULT_BUFFER_MB = 16
 BUFFERS = 3                 # read-ahead, stepping, write-behind
 
 
-def _aligned(nbytes):
-    return -(-nbytes // BLOCK) * BLOCK
-
-
-class AlignedBuffer:
-    """``nbytes`` of host memory aligned to the file-system block, page-locked where CUDA is
-    present (so copies to the GPU need no staging); views of it are the state's tensors."""
-
-    def __init__(self, nbytes, pin):
-        self.nbytes = _aligned(nbytes)
-        raw = torch.empty(self.nbytes + BLOCK, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % BLOCK
-        self.bytes = raw[start:start + self.nbytes]
-        self._raw = raw
-        self.pinned = False
-        if pin:
-            cudart = torch.cuda.cudart()
-            if cudart.cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0) == 0:
-                self.pinned = True
-
-    def release(self):
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-            self.pinned = False
-
-    def view(self, offset, dtype, shape):
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        return self.bytes[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
-class Entry:
-    """Where one state tensor of one parameter lies in its chunk's file."""
-
-    def __init__(self, key, dtype, shape, offset):
-        self.key, self.dtype, self.shape, self.offset = key, dtype, tuple(shape), offset
-
-    @property
-    def nbytes(self):
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
-
-
-class Chunk:
-    """Parameters stepped together, and the layout of their state in one file."""
-
-    def __init__(self, index, params):
-        self.index = index
-        self.params = params          # [(group index, parameter)]
-        self.entries = {}             # id(param) -> [Entry]
-        self.plain = {}               # id(param) -> {key: non-tensor value}
-        self.nbytes = 0
-
-    def lay_out(self, states):
-        """Record where each of ``states`` (id(param) -> state dict) goes; returns the bytes."""
-        self.entries, self.plain, offset = {}, {}, 0
-        for _, p in self.params:
-            state = states.get(id(p), {})
-            entries, plain = [], {}
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    entries.append(Entry(key, value.dtype, value.shape, offset))
-                    offset += _aligned(entries[-1].nbytes)
-                else:
-                    plain[key] = value
-            self.entries[id(p)], self.plain[id(p)] = entries, plain
-        self.nbytes = offset
-        return offset
-
-
 class SwapStats:
-    """Seconds spent reading, waiting for reads, writing, and stepping, over swapped steps."""
+    """Seconds and bytes over swapped steps. ``read``/``write``: each chunk's I/O from its
+    submission to its last byte; ``io``: time any I/O was in flight; ``hidden``: the part
+    of it that overlapped compute (the step was not waiting for it); ``wait``: time the
+    step waited for I/O; ``step``: time in the optimizer's own step."""
 
     def __init__(self):
-        self.read = self.wait = self.write = self.step = 0.0
+        self.read = self.wait = self.write = self.step = self.io = self.hidden = 0.0
         self.bytes_read = self.bytes_written = 0
         self.steps = 0
 
     def as_dict(self):
         return {"swap_read_s": self.read, "swap_wait_s": self.wait,
                 "swap_write_s": self.write, "swap_step_s": self.step,
+                "swap_io_s": self.io, "swap_hidden_s": self.hidden,
                 "swap_read_bytes": self.bytes_read, "swap_written_bytes": self.bytes_written,
                 "swap_steps": self.steps}
 
@@ -134,108 +62,146 @@ class SwapStats:
 class SwappedState:
     """The per-parameter state of ``optimizer``, kept in files under ``directory``.
 
-    ``buffer_mb`` sizes each of the pool's buffers (None: the largest
-    parameter's expected state, at least 64 MiB); chunks hold up to a buffer
-    of state. ``o_direct`` (None: where the file system takes it) reads and
-    writes around the page cache. ``workers`` threads do the I/O.
+    ``buffer_mb`` sizes each of the pool's three buffers (None: 16 MiB, or the largest
+    state of a parameter that must be stepped whole); a parameter's state larger than a
+    buffer is stepped in pieces. ``o_direct`` (None: where the file system takes it)
+    reads and writes around the page cache. ``workers`` threads do the I/O.
     """
 
     def __init__(self, optimizer, directory, buffer_mb=None, o_direct=None, workers=4):
+        if buffer_mb is not None and not buffer_mb > 0:
+            raise ValueError(f"swap_buffer_mb must be > 0 or None, got {buffer_mb!r}")
         self.optimizer = optimizer
-        # One folder per process: ranks change at resizes, processes do not.
-        host = socket.gethostname()
-        self.root = os.path.join(os.path.abspath(directory),
-                                 f"hvd_adapt-swap-{host}-{os.getpid()}")
-        params = [(g, p) for g, group in enumerate(optimizer.param_groups)
-                  for p in group["params"]]
-        largest = max((p.numel() * p.element_size() for _, p in params), default=0)
-        # Adam-like optimizers keep twice a parameter's bytes (and a step).
+        self._makeups = {}
+        self._groups_of = {}
+        directory = os.path.abspath(directory)
+        self._directory = directory
+        params = self._params()
+        largest_whole = max((self._whole_bytes(p) for p in params
+                             if not self._splittable(p)), default=0)
         wanted = buffer_mb * 2 ** 20 if buffer_mb is not None \
-            else max(DEFAULT_BUFFER_MB * 2 ** 20, 2 * largest + 2 * BLOCK)
-        self.buffer_bytes = _aligned(int(wanted))
-        if 2 * largest + 2 * BLOCK > self.buffer_bytes:
-            raise ValueError(
-                f"swap buffers of {self.buffer_bytes / 2 ** 20:.2f} MiB cannot hold the state of "
-                f"the largest parameter ({largest / 2 ** 20:.2f} MiB, twice that in state): "
-                f"pass swap_buffer_mb >= {(2 * largest + 2 * BLOCK) / 2 ** 20:.2f}")
+            else max(DEFAULT_BUFFER_MB * 2 ** 20, largest_whole)
+        self.buffer_bytes = aligned(int(wanted))
+        # Every parameter must fit a buffer, whole or in pieces: said now, not at a step.
+        plan_pieces(Layout([(p, self._makeup(p).tensors, {}) for p in params]),
+                    self._groups_of, self._splittable, self.buffer_bytes, self._describe)
         self._check_room(directory, params)
-        self._directory, self._host = os.path.abspath(directory), host
         self.remove_stale()
-        os.makedirs(self.root, mode=0o700)
-        self.chunks = self._chunk(params)
+        self.root, self._root_fd = new_locked_folder(directory, PREFIX)
         self._o_direct = self._probe_o_direct() if o_direct is None else bool(o_direct)
-        pin = torch.cuda.is_available()
-        self._pool = [AlignedBuffer(self.buffer_bytes, pin) for _ in range(BUFFERS)]
-        self._free = list(self._pool)
-        self._free_lock = threading.Condition()
+        self._pool = BufferPool(BUFFERS, self.buffer_bytes, torch.cuda.is_available())
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                          thread_name_prefix="hvd_adapt-swap")
         self.live = None            # generation holding the current state (None: no state yet)
         self._generation = 0
-        self._referenced = {}       # generation -> count of references (live, commit, maps)
+        self._layouts = {}          # generation -> its Layout
+        self._referenced = {}       # generation -> count of references (live, commits)
+        self._incoming = None       # a sync's layout, adopted before its broadcast
+        self._broken = None         # why the parameters are half-stepped (until a restore)
         self.stats = SwapStats()
-        self._closed = False
-        atexit.register(self.close)
-        state_bytes = sum(2 * p.numel() * p.element_size() for _, p in params)
-        log.info("optimizer state on disk in %s: about %.2f GB in %d chunk file(s), %d buffers "
-                 "of %.0f MiB%s", self.root, state_bytes / 1e9, len(self.chunks), BUFFERS,
-                 self.buffer_bytes / 2 ** 20, ", O_DIRECT" if self._o_direct else "")
+        # Not atexit.register(self.close): that would keep a deleted optimizer, its
+        # parameters and the pool alive until exit. The finalizer holds only what it frees.
+        self._finalizer = weakref.finalize(self, _close, self._pool, self._io, self.root,
+                                           self._root_fd, directory, os.getpid())
+        state_bytes = sum(self._whole_bytes(p) for p in params)
+        log.info("optimizer state on disk in %s: about %.2f GB, %d buffers of %.1f MiB%s",
+                 self.root, state_bytes / 1e9, BUFFERS, self.buffer_bytes / 2 ** 20,
+                 ", O_DIRECT" if self._o_direct else "")
 
-    # -- where the state goes ------------------------------------------------------------
+    # -- what the optimizer keeps ----------------------------------------------------------
+    def _params(self):
+        """The optimizer's parameters, live (``add_param_group`` adds to them)."""
+        self._groups_of = {p: g for g, group in enumerate(self.optimizer.param_groups)
+                           for p in group["params"]}
+        return list(self._groups_of)
+
+    def _makeup(self, param):
+        group = self._groups_of[param]
+        key = (group, param.dtype, str(param.device), param.dim())
+        if key not in self._makeups:
+            self._makeups[key] = probe_makeup(self.optimizer,
+                                              self.optimizer.param_groups[group], param)
+        makeup = self._makeups[key]
+        if makeup.splittable or all(shape is None for _, _, shape, _ in makeup.tensors):
+            return makeup
+        # State shaped by the parameter's shape, not its elements (Adafactor's row and
+        # column factors): its sizes come from a probe of that shape.
+        key += (tuple(param.shape),)
+        if key not in self._makeups:
+            self._makeups[key] = probe_makeup(self.optimizer,
+                                              self.optimizer.param_groups[group], param,
+                                              exact=True)
+        return self._makeups[key]
+
+    def _splittable(self, param):
+        return param.is_contiguous() and self._makeup(param).splittable
+
+    def _whole_bytes(self, param):
+        size = 0
+        for _, dtype, shape, _ in self._makeup(param).tensors:
+            count = param.numel() if shape is None else _numel(shape)
+            size += aligned(count * torch.empty((), dtype=dtype).element_size())
+        return size
+
+    def _describe(self, param):
+        index = list(self._groups_of).index(param)
+        return f"parameter {index} (shape {tuple(param.shape)}, group {self._groups_of[param]})"
+
     def _check_room(self, directory, params):
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise ValueError(f"swap_dir {directory} is not writable")
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"swap_dir {directory} cannot be created: {e}") from e
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+            raise ValueError(f"swap_dir {directory} is not a writable folder")
         # Live, committed and one being written: up to three generations at once.
-        needed = 3 * sum(2 * p.numel() * p.element_size() + BLOCK for _, p in params)
-        free = shutil.disk_usage(directory).free
-        if free < needed:
+        needed = 3 * sum(self._whole_bytes(p) for p in params)
+        usage = shutil.disk_usage(directory)
+        free = usage.free
+        # A total of 0: a file system with no size (ramfs); the step's reservation checks.
+        if usage.total and free < needed:
             raise ValueError(f"swap_dir {directory} has {free / 1e9:.2f} GB free; the optimizer "
                              f"state needs about {needed / 1e9:.2f} GB there (three "
                              "generations: live, committed, being written)")
 
-    def _chunk(self, params):
-        chunks, current, size = [], [], 0
-        for g, p in params:
-            nbytes = 2 * _aligned(p.numel() * p.element_size()) + BLOCK
-            if current and size + nbytes > self.buffer_bytes:
-                chunks.append(Chunk(len(chunks), current))
-                current, size = [], 0
-            current.append((g, p))
-            size += nbytes
-        if current:
-            chunks.append(Chunk(len(chunks), current))
-        return chunks
-
     def _probe_o_direct(self):
-        probe = os.path.join(self.root, ".probe")
+        name = ".probe"
+        fd = create_exclusive(name, dir_fd=self._root_fd)
         try:
-            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-            os.close(fd)
-            return True
-        except (OSError, AttributeError):
-            return False
+            return SwapFile(fd, name, direct=True).direct
         finally:
-            if os.path.exists(probe):
-                os.remove(probe)
-
-    def _path(self, generation, chunk):
-        return os.path.join(self.root, f"gen{generation}", f"chunk{chunk.index}.bin")
-
-    def _open(self, path, write):
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
-        if self._o_direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
-            except OSError:
-                self._o_direct = False      # this file system refuses it after all
-        return os.open(path, flags, 0o600)
+            os.close(fd)
+            os.unlink(name, dir_fd=self._root_fd)
 
     # -- generations ---------------------------------------------------------------------
-    def _new_generation(self):
+    def _name(self, generation):
+        return f"gen{generation}.bin"
+
+    def _create(self, layout):
+        """A new generation's file, its space reserved: ``(generation, SwapFile)``."""
         self._generation += 1
-        os.makedirs(os.path.join(self.root, f"gen{self._generation}"), mode=0o700)
-        return self._generation
+        generation = self._generation
+        name = self._name(generation)
+        fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
+        out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
+        try:
+            out.reserve(layout.nbytes)
+        except BaseException:
+            out.close()
+            self._unlink(generation)
+            raise
+        return generation, out
+
+    def _open(self, generation):
+        name = self._name(generation)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+        return SwapFile(fd, os.path.join(self.root, name), self._o_direct)
+
+    def _unlink(self, generation):
+        try:
+            os.unlink(self._name(generation), dir_fd=self._root_fd)
+        except FileNotFoundError:
+            pass
 
     def _hold(self, generation):
         if generation is not None:
@@ -247,191 +213,134 @@ class SwappedState:
         self._referenced[generation] -= 1
         if self._referenced[generation] == 0:
             del self._referenced[generation]
-            shutil.rmtree(os.path.join(self.root, f"gen{generation}"), ignore_errors=True)
+            del self._layouts[generation]
+            self._unlink(generation)
 
-    def _set_live(self, generation):
+    def _set_live(self, generation, layout=None):
+        if layout is not None:
+            self._layouts[generation] = layout
         self._hold(generation)
         self._drop(self.live)
         self.live = generation
+        self._broken = None
+
+    def layout(self, generation=None):
+        """The :class:`Layout` of ``generation`` (default: live); None without state."""
+        generation = self.live if generation is None else generation
+        return None if generation is None else self._layouts[generation]
 
     # -- I/O -------------------------------------------------------------------------------
-    def _acquire(self):
-        with self._free_lock:
-            while not self._free:
-                self._free_lock.wait()
-            return self._free.pop()
-
-    def give_back(self, buffer):
-        """Return ``buffer`` to the pool (a write of it is on disk)."""
-        with self._free_lock:
-            self._free.append(buffer)
-            self._free_lock.notify()
-
-    def _transfer(self, fd, buffer, nbytes, write):
-        """Read or write ``nbytes`` (block-aligned) of ``buffer`` at the file's start, in
-        pieces on the thread pool; returns the futures."""
-        view = memoryview(buffer.bytes.numpy())
+    def _submit(self, file, buffer, runs, write, intervals):
+        """Start moving ``runs`` (``[(file offset, buffer offset, bytes)]``) between ``file``
+        and ``buffer`` on the thread pool, in requests of at most IO_BYTES: the futures."""
         futures = []
-        for start in range(0, nbytes, PIECE_BYTES):
-            piece = view[start:min(start + PIECE_BYTES, nbytes)]
-            call = os.pwritev if write else os.preadv
-            futures.append(self._io.submit(call, fd, [piece], start))
-        return futures
-
-    def _read(self, chunk, generation):
-        """Start reading ``chunk`` of ``generation`` into a pool buffer: ``(buffer, futures,
-        fd, started)``."""
-        buffer = self._acquire()
-        if generation is None or chunk.nbytes == 0:
-            return buffer, [], None, time.perf_counter()
-        fd = self._open(self._path(generation, chunk), write=False)
-        return buffer, self._transfer(fd, buffer, chunk.nbytes, write=False), fd, \
-            time.perf_counter()
-
-    def _write(self, chunk, generation, buffer):
-        """Write ``chunk``'s state from ``buffer`` into ``generation`` in the background; the
-        buffer returns to the pool once it is on disk. Returns the futures to wait for."""
-        fd = self._open(self._path(generation, chunk), write=True)
-        job = _WriteJob(fd, buffer, self)
-        futures = self._transfer(fd, buffer, chunk.nbytes, write=True) if chunk.nbytes else []
-        job.expect(futures)
-        return futures
-
-    @staticmethod
-    def _wait(futures):
-        for future in futures:
-            future.result()
-
-    # -- the state as the optimizer sees it ----------------------------------------------
-    def _materialise(self, chunk, buffer):
-        """Put ``chunk``'s state into the optimizer as views of ``buffer`` (copies on the GPU
-        for a parameter there, made without waiting: the buffer is page-locked)."""
-        state = self.optimizer.state
-        for _, p in chunk.params:
-            entries = chunk.entries.get(id(p), [])
-            plain = chunk.plain.get(id(p), {})
-            if entries or plain:
-                values = dict(plain)
-                for entry in entries:
-                    view = buffer.view(entry.offset, entry.dtype, entry.shape)
-                    values[entry.key] = view.to(p.device, non_blocking=True) \
-                        if p.is_cuda and entry.shape != () else view
-                state[p] = values
-
-    def _evict(self, chunk, buffer):
-        """Take ``chunk``'s state out of the optimizer into ``buffer`` (laid out afresh:
-        a first step creates state, some optimizers replace their tensors)."""
-        state = self.optimizer.state
-        states = {id(p): state.pop(p) for _, p in chunk.params if p in state}
-        nbytes = chunk.lay_out(states)
-        if nbytes > buffer.nbytes:
-            raise RuntimeError(
-                f"the optimizer's state for a chunk of parameters takes {nbytes / 2 ** 20:.1f} "
-                f"MiB, more than a swap buffer ({buffer.nbytes / 2 ** 20:.1f} MiB): pass a "
-                "larger swap_buffer_mb")
-        moves = []
-        base = buffer.bytes.data_ptr()
-        for _, p in chunk.params:
-            for entry in chunk.entries.get(id(p), []):
-                target = buffer.view(entry.offset, entry.dtype, entry.shape)
-                value = states[id(p)][entry.key]
-                if value.data_ptr() == target.data_ptr():
-                    continue
-                if not value.is_cuda and base <= value.data_ptr() < base + buffer.nbytes:
-                    value = value.clone()   # it lies in the buffer where another goes
-                moves.append((target, value))
-        cuda = False
-        for target, value in moves:
-            cuda = cuda or value.is_cuda
-            target.copy_(value, non_blocking=value.is_cuda)
-        if cuda:
-            torch.cuda.synchronize()        # the buffer is written to disk next
+        for file_offset, buffer_offset, nbytes in runs:
+            for start in range(0, nbytes, IO_BYTES):
+                size = min(IO_BYTES, nbytes - start)
+                call = file.write if write else file.read
+                futures.append(self._io.submit(call, buffer.memory(buffer_offset + start, size),
+                                               file_offset + start))
+        return _Transfer(futures, intervals)
 
     # -- stepping ------------------------------------------------------------------------
-    def step(self):
-        """Step the optimizer over every chunk: read ahead, step, write behind."""
+    def step(self, agree=None):
+        """Step the optimizer over every parameter: read ahead, step, write behind. Either
+        every parameter's step is applied and its state is in a new live generation, or
+        ``SwapError``/the optimizer's error is raised and the live generation is the one
+        before. ``agree(message or None)`` (a collective: every rank's message) makes a
+        rank's full disk every rank's error, before anything is stepped."""
+        if self._broken is not None:
+            raise SwapError(errno.EIO, self._broken)
+        if self.optimizer.state:
+            raise RuntimeError(
+                "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
+                f"({len(self.optimizer.state)} parameter(s)); with swap_dir its state lives on "
+                "disk: load state through DistributedOptimizer.load_state_dict")
         started = time.perf_counter()
-        generation = self._new_generation()
-        groups = self.optimizer.param_groups
-        saved = [group["params"] for group in groups]
-        pending_writes = []
-        reading = self._read(self.chunks[0], self.live) if self.chunks else None
+        params = self._params()
+        old = self.layout()
+        specs = []
+        for p in params:
+            kept = old.get(p) if old is not None else None
+            if kept is not None:
+                specs.append((p, [(e.key, e.dtype, e.shape, e.on_device) for e in kept.entries],
+                              kept.plain))
+            elif p.grad is not None:
+                specs.append((p, self._makeup(p).tensors, {}))
+        layout = Layout(specs)
+        chunks = plan_pieces(layout, self._groups_of, self._splittable, self.buffer_bytes,
+                             self._describe)
+        message, out = None, None
         try:
-            for i, chunk in enumerate(self.chunks):
-                buffer, futures, fd, read_started = reading
-                waited = time.perf_counter()
-                self._wait(futures)
-                now = time.perf_counter()
-                self.stats.wait += now - waited
-                self.stats.read += now - read_started
-                self.stats.bytes_read += chunk.nbytes if futures else 0
-                if fd is not None:
-                    os.close(fd)
-                if i + 1 < len(self.chunks):
-                    reading = self._read(self.chunks[i + 1], self.live)
-                self._materialise(chunk, buffer)
-                for g, group in enumerate(groups):
-                    group["params"] = [p for pg, p in chunk.params if pg == g]
-                stepping = time.perf_counter()
-                self.optimizer.step()
-                self.stats.step += time.perf_counter() - stepping
-                for group, params in zip(groups, saved):
-                    group["params"] = params
-                self._evict(chunk, buffer)
-                self.stats.bytes_written += chunk.nbytes
-                pending_writes += self._write(chunk, generation, buffer)
-            self._wait(pending_writes)
+            generation, out = self._create(layout)
+        except SwapError as e:
+            message = str(e)
+        failures = agree(message) if agree is not None else [message] if message else []
+        if failures:
+            if out is not None:
+                out.close()
+                self._unlink(generation)
+            raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
+                            "state unchanged): " + "; ".join(failures))
+        source = self._open(self.live) if old is not None else None
+        intervals, waits = [], []
+        runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout, old,
+                          source, out, intervals, waits)
+        try:
+            runner.run(chunks)
+        except BaseException as e:
+            out.close()
+            self._unlink(generation)
+            if runner.applied:
+                self._broken = (
+                    f"a swapped optimizer step failed in chunk {runner.applied} of "
+                    f"{len(chunks)} ({type(e).__name__}: {e}); the state of the last good "
+                    "generation is kept, but the parameters of the chunks stepped moved: "
+                    "restore a commit (State.restore()) or load a checkpoint before stepping "
+                    "again")
+                log.error("%s", self._broken)
+            raise
         finally:
-            for group, params in zip(groups, saved):
-                group["params"] = params
-        self._set_live(generation)
+            if source is not None:
+                source.close()
+        out.close()
+        self._set_live(generation, layout)
+        busy = _length(intervals)
+        waited = _length(waits)
+        self.stats.io += busy
+        self.stats.hidden += max(busy - _overlap(intervals, waits), 0.0)
+        self.stats.wait += waited
         self.stats.steps += 1
         log.debug("swapped step in %.3f s: %s", time.perf_counter() - started,
                   self.stats.as_dict())
 
-    def read_back(self):
-        """Read every chunk of the live generation through the pool, as a step reads it, and
-        drop it; returns the bytes read (to measure the disk the way steps use it)."""
-        total, pending = 0, None
-        for i, chunk in enumerate(self.chunks):
-            reading = pending or self._read(chunk, self.live)
-            pending = self._read(self.chunks[i + 1], self.live) if i + 1 < len(self.chunks) \
-                else None
-            buffer, futures, fd, _ = reading
-            self._wait(futures)
-            if fd is not None:
-                os.close(fd)
-            total += chunk.nbytes if futures else 0
-            self.give_back(buffer)
-        return total
-
     def read(self, params, keys):
         """The live state of ``params`` (only ``keys`` of it), read now: {param: {key: tensor}}.
         For the noise measurement's Adam denominators, a bucket at a time."""
-        wanted = {id(p) for p in params}
+        layout = self.layout()
+        if layout is None:
+            return {}
+        mapped = self._map(self.live)
         out = {}
-        if self.live is None:
-            return out
-        for chunk in self.chunks:
-            members = [p for _, p in chunk.params if id(p) in wanted]
-            if not members:
-                continue
-            mapped = self._map(chunk, self.live)
-            for p in members:
-                values = {key: value for key, value in chunk.plain.get(id(p), {}).items()
-                          if key in keys}
-                for entry in chunk.entries.get(id(p), []):
-                    if entry.key in keys:
-                        values[entry.key] = _view(mapped, entry).clone()
-                out[p] = values
+        for p in params:
+            if layout.get(p) is not None:
+                out[p] = {key: value.clone() if torch.is_tensor(value) else value
+                          for key, value in layout.tensors_of(p, mapped).items() if key in keys}
         return out
 
-    def _map(self, chunk, generation):
-        """``chunk``'s file of ``generation`` mapped (read lazily, private copy-on-write)."""
-        if chunk.nbytes == 0:
+    def _map(self, generation):
+        """``generation``'s file mapped (read lazily, private copy-on-write); an unlinked file
+        stays readable while mapped."""
+        layout = self._layouts[generation]
+        if layout.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.from_file(self._path(generation, chunk), shared=False, size=chunk.nbytes,
-                               dtype=torch.uint8)
+        fd = os.open(self._name(generation), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=self._root_fd)
+        try:
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=layout.nbytes,
+                                   dtype=torch.uint8)
+        finally:
+            os.close(fd)
 
     # -- commits, restores, checkpoints, syncs ---------------------------------------------
     def commit(self):
@@ -444,147 +353,416 @@ class SwappedState:
         self._drop(generation)
 
     def restore(self, generation):
-        """Make ``generation`` (a commit's) live again."""
+        """Make ``generation`` (a commit's) live again, with the layout it was written with."""
         self._set_live(generation)
 
     def state_tensors(self, generation=None):
         """``{param: {key: tensor}}`` of ``generation`` (default: live), the tensors mapped
-        from its files: a checkpoint writes them without loading them first."""
-        generation = self.live if generation is None else generation
-        out = {}
-        if generation is None:
-            return out
-        for chunk in self.chunks:
-            mapped = self._map(chunk, generation)
-            for _, p in chunk.params:
-                values = dict(chunk.plain.get(id(p), {}))
-                for entry in chunk.entries.get(id(p), []):
-                    values[entry.key] = _view(mapped, entry)
-                if values:
-                    out[p] = values
-        return out
+        from its file, laid out as it was written: a checkpoint writes them without loading
+        them first."""
+        layout = self.layout(generation)
+        if layout is None:
+            return {}
+        mapped = self._map(self.live if generation is None else generation)
+        return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params}
 
     def load(self, states):
         """Write ``states`` ({param: {key: tensor or value}}, e.g. a checkpoint's, mapped)
-        into a new live generation, a chunk at a time."""
-        generation = self._new_generation()
-        writes = []
-        for chunk in self.chunks:
-            buffer = self._acquire()
-            chunk_states = {id(p): states[p] for _, p in chunk.params if p in states}
-            chunk.lay_out(chunk_states)
-            for _, p in chunk.params:
-                for entry in chunk.entries.get(id(p), []):
-                    value = chunk_states[id(p)][entry.key]
-                    buffer.view(entry.offset, entry.dtype, entry.shape).copy_(value)
-            writes += self._write(chunk, generation, buffer)
-        self._wait(writes)
-        self._set_live(generation)
+        into a new live generation, a buffer at a time."""
+        specs = []
+        for p in self._params():
+            if p not in states:
+                continue
+            known = {key: on_device for key, _, _, on_device in self._makeup(p).tensors}
+            tensors, plain = [], {}
+            for key, value in states[p].items():
+                if torch.is_tensor(value):
+                    elementwise = tuple(value.shape) == tuple(p.shape)
+                    tensors.append((key, value.dtype, None if elementwise else value.shape,
+                                    known.get(key, elementwise and p.device.type != "cpu")))
+                else:
+                    plain[key] = value
+            specs.append((p, tensors, plain))
+        layout = Layout(specs)
 
-    def broadcast_chunks(self, root, broadcast_bytes):
-        """Collective: every rank's live state becomes ``root``'s, one chunk at a time
-        (``broadcast_bytes(data, root, name)`` sends a chunk file's bytes)."""
-        generation = self._new_generation()
-        writes = []
-        for chunk in self.chunks:
-            data = None
-            if root:
-                data = bytes(self._map(chunk, self.live).numpy()) if self.live is not None \
-                    and chunk.nbytes else b""
-            data = broadcast_bytes(data, f"hvd_adapt.swap.chunk{chunk.index}")
-            buffer = self._acquire()
-            if data:
-                buffer.bytes[:len(data)].copy_(torch.frombuffer(bytearray(data),
-                                                                dtype=torch.uint8))
-            writes += self._write(chunk, generation, buffer)
-        self._wait(writes)
-        self._set_live(generation)
+        def fill(entry, param, buffer, start, size):
+            flat = states[param][entry.key].detach().reshape(-1).view(torch.uint8)
+            buffer.bytes[:size].copy_(flat[start:start + size])
 
-    def adopt_layout(self, layouts):
-        """Take root's chunk layouts (from :meth:`layout_dump`) before a broadcast."""
-        for chunk, layout in zip(self.chunks, layouts):
-            chunk.entries, chunk.plain = {}, {}
-            offset = 0
-            for (_, p), (entries, plain) in zip(chunk.params, layout):
-                chunk.entries[id(p)] = []
-                for key, dtype, shape in entries:
-                    entry = Entry(key, getattr(torch, dtype.split(".")[-1]), shape, offset)
-                    chunk.entries[id(p)].append(entry)
-                    offset += _aligned(entry.nbytes)
-                chunk.plain[id(p)] = dict(plain)
-            chunk.nbytes = offset
+        self._write_all(layout, fill)
 
     def layout_dump(self):
-        """Each chunk's per-parameter ``(entries, plain values)``: picklable, rank-neutral."""
-        return [[([(e.key, str(e.dtype), e.shape) for e in chunk.entries.get(id(p), [])],
-                  dict(chunk.plain.get(id(p), {}))) for _, p in chunk.params]
-                for chunk in self.chunks]
+        """The live layout, picklable and rank-neutral (None without state)."""
+        layout = self.layout()
+        if layout is None:
+            return None
+        return layout.dump({p: i for i, p in enumerate(self._params())})
+
+    def adopt_layout(self, dump):
+        """Take root's live layout (from :meth:`layout_dump`) before a broadcast."""
+        self._incoming = None if dump is None else Layout.load(dump, self._params())
+
+    def broadcast_chunks(self, root, broadcast_bytes):
+        """Collective: every rank's live state becomes ``root``'s, a buffer at a time
+        (``broadcast_bytes(data, name)`` sends bytes from the root)."""
+        layout = self.layout() if root else self._incoming
+        self._incoming = None
+        if layout is None:
+            if self.live is not None:
+                self._drop(self.live)
+                self.live = None
+            self._broken = None
+            return
+        generation, out = self._create(layout)
+        source = self._open(self.live) if root else None
+        buffer = self._pool.take()
+        try:
+            # The layouts are alike: so are the files, region by region.
+            for start in range(0, layout.nbytes, self.buffer_bytes):
+                size = min(self.buffer_bytes, layout.nbytes - start)
+                data = None
+                if root:
+                    source.read(buffer.memory(0, size), start)
+                    data = bytes(buffer.memory(0, size))
+                data = broadcast_bytes(data, f"hvd_adapt.swap.region{start // self.buffer_bytes}")
+                if not root:
+                    buffer.bytes[:size].copy_(torch.frombuffer(bytearray(data),
+                                                               dtype=torch.uint8))
+                out.write(buffer.memory(0, size), start)
+        except BaseException:
+            out.close()
+            self._unlink(generation)
+            raise
+        finally:
+            self._pool.give_back(buffer)
+            if source is not None:
+                source.close()
+        out.close()
+        self._set_live(generation, layout)
+
+    def _write_all(self, layout, fill):
+        """A new live generation of ``layout``, each entry written a buffer at a time with
+        what ``fill(entry, param, buffer, start, size)`` puts at the buffer's start, as a
+        step writes: the pool's buffers in flight on the I/O threads."""
+        generation, out = self._create(layout)
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle, writing = list(buffers), []
+        try:
+            for param_layout in layout.params:
+                for entry in param_layout.entries:
+                    for start in range(0, entry.nbytes, self.buffer_bytes):
+                        if not idle:
+                            done, transfer = writing.pop(0)
+                            transfer.wait()
+                            idle.append(done)
+                        buffer = idle.pop()
+                        size = min(self.buffer_bytes, entry.nbytes - start)
+                        fill(entry, param_layout.param, buffer, start, size)
+                        writing.append((buffer, self._submit(
+                            out, buffer, [(entry.offset + start, 0, aligned(size))], True, [])))
+            while writing:
+                writing.pop(0)[1].wait()
+        except BaseException:
+            for _, transfer in writing:
+                transfer.settle()
+            out.close()
+            self._unlink(generation)
+            raise
+        finally:
+            for buffer in buffers:
+                self._pool.give_back(buffer)
+        out.close()
+        self._set_live(generation, layout)
+
+    def move_bytes(self, write):
+        """Move the live generation's size through the pool as a step moves it (the I/O
+        threads, requests of IO_BYTES, every buffer in flight): read the live file, or
+        write a scratch file that is then removed. Returns the bytes moved. For
+        benchmarks/optimizer_swap.py: the swapper's own disk speed, without the optimizer."""
+        layout = self.layout()
+        if layout is None:
+            return 0
+        if write:
+            generation, file = self._create(layout)
+        else:
+            generation, file = None, self._open(self.live)
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle, moving = list(buffers), []
+        try:
+            for start in range(0, layout.nbytes, self.buffer_bytes):
+                if not idle:
+                    done, transfer = moving.pop(0)
+                    transfer.wait()
+                    idle.append(done)
+                buffer = idle.pop()
+                size = min(self.buffer_bytes, layout.nbytes - start)
+                moving.append((buffer, self._submit(file, buffer, [(start, 0, size)], write,
+                                                    [])))
+            while moving:
+                moving.pop(0)[1].wait()
+        finally:
+            for _, transfer in moving:
+                transfer.settle()
+            for buffer in buffers:
+                self._pool.give_back(buffer)
+            file.close()
+            if generation is not None:
+                self._unlink(generation)
+        return layout.nbytes
 
     def remove_stale(self):
-        """Remove the folders of this host's processes that ended without removing theirs: a
-        crash, or a worker Horovod removed from an elastic job (it aborts). Their files are
-        never read, and would fill the disk."""
-        _remove_stale(self._directory, self._host)
+        """Remove the swap folders in swap_dir whose owner is gone (their lock is free): a
+        crash, or a worker Horovod removed from an elastic job. Their files are never read,
+        and would fill the disk. Folders in use, by any process or container, are kept."""
+        remove_unlocked_folders(self._directory, PREFIX)
 
     def close(self):
-        """Remove the files and free the buffers (also at interpreter exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._io.shutdown(wait=True)
-        for buffer in self._pool:
-            buffer.release()
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.remove_stale()
+        """Remove the files, free the buffers, and remove the folders of owners that are
+        gone (also when the optimizer is collected, and at interpreter exit)."""
+        self._finalizer()
 
 
-class _WriteJob:
-    """One chunk being written: closes its file and frees its buffer after the last piece."""
+class _Transfer:
+    """The requests of one chunk's read or write: ``wait()`` returns when all are done and
+    raises the first one's error (a ``SwapError``) after all have finished."""
 
-    def __init__(self, fd, buffer, swapped):
-        self.fd, self.buffer, self.swapped = fd, buffer, swapped
-        self.started = time.perf_counter()
-        self.remaining = 0
-        self.lock = threading.Lock()
+    def __init__(self, futures, intervals):
+        self.futures, self.intervals = futures, intervals
+        self.submitted = time.perf_counter()
 
-    def expect(self, futures):
-        self.remaining = len(futures)
-        if not futures:
-            self.done()
-        for future in futures:
-            future.add_done_callback(self.piece_done)
+    def wait(self):
+        """Seconds from submission to the last byte."""
+        error, finished = None, self.submitted
+        for future in self.futures:
+            try:
+                begin, end = future.result()
+                self.intervals.append((begin, end))
+                finished = max(finished, end)
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return finished - self.submitted
 
-    def piece_done(self, _future):
-        with self.lock:
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.done()
+    def settle(self):
+        """Wait for every request, ignoring errors (a failed step's cleanup)."""
+        concurrent.futures.wait(self.futures)
 
-    def done(self):
+
+class _StepRun:
+    """One swapped step's pipeline over its chunks; every buffer it takes goes back to the
+    pool on every path, after every request that uses it has finished."""
+
+    def __init__(self, optimizer, pool, submit, stats, layout, old, source, out, intervals,
+                 waits):
+        self.optimizer, self.pool, self.submit, self.stats = optimizer, pool, submit, stats
+        self.layout, self.old = layout, old
+        self.source, self.out = source, out
+        self.intervals, self.waits = intervals, waits
+        self.applied = 0
+        self.first_state = {}       # param -> its first piece's non-elementwise state
+
+    def run(self, chunks):
+        buffers = [self.pool.take() for _ in range(BUFFERS)]
+        idle = list(buffers)
+        reading, writing = None, []
         try:
-            os.close(self.fd)
+            if chunks:
+                first = idle.pop()
+                reading = (chunks[0], first, self._read(chunks[0], first))
+            for i, _ in enumerate(chunks):
+                chunk, buffer, transfer = reading
+                reading = None
+                self.stats.read += self._wait(transfer)
+                self.stats.bytes_read += sum(n for _, _, n in self._reads(chunk))
+                if i + 1 < len(chunks):
+                    if not idle:
+                        # The oldest write's buffer is the next read's.
+                        done, written = writing.pop(0)
+                        self.stats.write += self._wait(written)
+                        idle.append(done)
+                    following = idle.pop()
+                    reading = (chunks[i + 1], following, self._read(chunks[i + 1], following))
+                self._step(chunk, buffer)
+                runs = self._writes(chunk)
+                self.stats.bytes_written += sum(n for _, _, n in runs)
+                writing.append((buffer, self.submit(self.out, buffer, runs, True,
+                                                    self.intervals)))
+            while writing:
+                done, written = writing.pop(0)
+                self.stats.write += self._wait(written)
         finally:
-            self.swapped.stats.write += time.perf_counter() - self.started
-            self.swapped.give_back(self.buffer)
+            for transfer in [reading[2]] if reading else []:
+                transfer.settle()
+            for _, transfer in writing:
+                transfer.settle()
+            for buffer in buffers:
+                self.pool.give_back(buffer)
 
-
-def _remove_stale(directory, host):
-    prefix = f"hvd_adapt-swap-{host}-"
-    for name in os.listdir(directory):
-        if not name.startswith(prefix):
-            continue
+    def _wait(self, transfer):
+        began = time.perf_counter()
         try:
-            pid = int(name[len(prefix):])
-        except ValueError:
-            continue
+            return transfer.wait()
+        finally:
+            self.waits.append((began, time.perf_counter()))
+
+    def _reads(self, chunk):
+        if self.old is None:
+            return []
+
+        def where(piece, slot):
+            kept = self.old.get(piece.param)
+            if kept is None:
+                return None
+            entry = next(e for e in kept.entries if e.key == slot.entry.key)
+            return entry.offset + (slot.file_offset - slot.entry.offset)
+
+        return segments(chunk, where)
+
+    def _writes(self, chunk):
+        return segments(chunk, lambda piece, slot: slot.file_offset
+                        if piece.first or slot.entry.elementwise else None)
+
+    def _read(self, chunk, buffer):
+        return self.submit(self.source, buffer, self._reads(chunk), False, self.intervals)
+
+    def _step(self, chunk, buffer):
+        """Step ``chunk``'s pieces with their state as views of ``buffer``; then put the state
+        the optimizer holds for them back into ``buffer``, checked against the layout."""
+        optimizer = self.optimizer
+        state = optimizer.state
+        groups = optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        flat_grads = {}
+        for piece in chunk:
+            p = piece.param
+            if piece.whole:
+                piece.tensor = p
+            else:
+                piece.tensor = p.detach().view(-1)[piece.start:piece.stop]
+                if p.grad is not None:
+                    if p not in flat_grads:
+                        flat_grads[p] = p.grad.reshape(-1)
+                    piece.tensor.grad = flat_grads[p][piece.start:piece.stop]
+            kept = self.old.get(p) if self.old is not None else None
+            if kept is not None:
+                values = dict(kept.plain)
+                for slot in piece.slots:
+                    view = buffer.view(slot.buffer_offset, slot.entry.dtype, slot.shape)
+                    values[slot.entry.key] = view.to(p.device, non_blocking=True) \
+                        if slot.entry.on_device else view
+                state[piece.tensor] = values
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        except PermissionError:
-            pass
+            for g, group in enumerate(groups):
+                group["params"] = [piece.tensor for piece in chunk if piece.group == g]
+            stepping = time.perf_counter()
+            # Counted before: a step that raises may have moved some parameters already.
+            self.applied += 1
+            optimizer.step()
+            self.stats.step += time.perf_counter() - stepping
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+            states = {id(piece): state.pop(piece.tensor, None) for piece in chunk}
+        self._evict(chunk, buffer, states)
+
+    def _evict(self, chunk, buffer, states):
+        moves, cuda = [], False
+        base = buffer.bytes.data_ptr()
+        for piece in chunk:
+            values = states[id(piece)]
+            planned = {slot.entry.key: slot for slot in piece.slots}
+            if values is None:
+                if planned:
+                    raise RuntimeError(f"hvd_adapt swap: the optimizer dropped the state of "
+                                       f"{piece.label()}")
+                continue
+            tensors = {k: v for k, v in values.items() if torch.is_tensor(v)}
+            plain = {k: v for k, v in values.items() if not torch.is_tensor(v)}
+            if set(tensors) != set(planned):
+                raise RuntimeError(
+                    f"hvd_adapt swap: the optimizer keeps state {sorted(tensors)} for "
+                    f"{piece.label()}, not the {sorted(planned)} its layout was planned with")
+            for key, value in tensors.items():
+                slot = planned[key]
+                if value.dtype != slot.entry.dtype or value.numel() * slot.entry.element_size \
+                        != slot.nbytes:
+                    raise RuntimeError(
+                        f"hvd_adapt swap: the optimizer's state {key!r} of {piece.label()} is "
+                        f"{value.dtype} x {value.numel()}, not the planned {slot.entry.dtype} "
+                        f"of {slot.nbytes} bytes")
+            self._check_pieces_agree(piece, tensors, plain)
+            for key, value in tensors.items():
+                slot = planned[key]
+                target = buffer.view(slot.buffer_offset, slot.entry.dtype, slot.shape)
+                if value.data_ptr() == target.data_ptr():
+                    continue
+                if not value.is_cuda and base <= value.data_ptr() < base + buffer.nbytes:
+                    value = value.clone()   # it lies in the buffer where another goes
+                moves.append((target, value.reshape(slot.shape)))
+        for target, value in moves:
+            cuda = cuda or value.is_cuda
+            target.copy_(value, non_blocking=value.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()        # the buffer is written to disk next
+
+    def _check_pieces_agree(self, piece, tensors, plain):
+        """The pieces of a parameter must leave its non-elementwise state (a step count,
+        plain values) alike: the one check that stepping it in pieces was the same as
+        stepping it whole."""
+        small = {key: value.detach().to("cpu", copy=True) for key, value in tensors.items()
+                 if not next(s for s in piece.slots if s.entry.key == key).entry.elementwise}
+        if piece.first:
+            self.first_state[piece.param] = (small, plain)
+            self.layout.get(piece.param).plain = dict(plain)
+            return
+        first_small, first_plain = self.first_state[piece.param]
+        if plain != first_plain or any(not torch.equal(value, first_small[key])
+                                       for key, value in small.items()):
+            raise RuntimeError(
+                f"hvd_adapt swap: the pieces of {piece.label()} disagree on their "
+                "non-elementwise state: the optimizer does not step it elementwise")
 
 
-def _view(mapped, entry):
-    return mapped[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).reshape(entry.shape)
+def _close(pool, io, root, root_fd, directory, owner):
+    if os.getpid() != owner:
+        # A forked child that exits normally runs finalizers too: the folder is its parent's.
+        return
+    io.shutdown(wait=True)
+    pool.release()
+    shutil.rmtree(root, ignore_errors=True)
+    os.close(root_fd)
+    # A worker Horovod removed from the job ends without its clean-up: the last to leave
+    # takes its folder too.
+    remove_unlocked_folders(directory, PREFIX)
+
+
+def _merged(intervals):
+    out = []
+    for begin, end in sorted(intervals):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out
+
+
+def _length(intervals):
+    return sum(end - begin for begin, end in _merged(intervals))
+
+
+def _overlap(a, b):
+    """Seconds covered by both sets of intervals."""
+    total, b = 0.0, _merged(b)
+    for begin, end in _merged(a):
+        for other_begin, other_end in b:
+            total += max(0.0, min(end, other_end) - max(begin, other_begin))
+    return total
+
+
+def _numel(shape):
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+

@@ -1,0 +1,176 @@
+"""Checked file I/O for the optimizer state on disk: aligned buffers in a bounded pool, and
+reads and writes that move every byte they are asked to or raise :class:`SwapError`.
+
+``os.preadv``/``os.pwritev`` may move fewer bytes than asked (a signal, a full disk
+part-way, the end of a file): each transfer loops until it is complete, and a
+short read at the end of a file or an ``OSError`` becomes a ``SwapError`` that
+names the file, the bytes and the errno.
+"""
+import errno
+import fcntl
+import os
+import threading
+import time
+
+import torch
+
+BLOCK = 4096            # the file system's block: O_DIRECT's alignment of offsets, sizes, memory
+
+
+class SwapError(OSError):
+    """Reading or writing the optimizer state on disk failed; the message names the file,
+    the bytes and the errno. The last good generation of the state is kept."""
+
+
+def aligned(nbytes):
+    """``nbytes`` rounded up to a whole number of blocks."""
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+class AlignedBuffer:
+    """``nbytes`` of host memory aligned to the file-system block, page-locked where CUDA is
+    present (copies to the GPU need no staging); views of it are the state's tensors."""
+
+    def __init__(self, nbytes, pin):
+        self.nbytes = aligned(nbytes)
+        raw = torch.empty(self.nbytes + BLOCK, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % BLOCK
+        self.bytes = raw[start:start + self.nbytes]
+        self.pinned = False
+        if pin and torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes,
+                                                        0) == 0:
+            self.pinned = True
+
+    def release(self):
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.pinned = False
+
+    def view(self, offset, dtype, shape):
+        nbytes = _numel(shape) * _element_size(dtype)
+        return self.bytes[offset:offset + nbytes].view(dtype).reshape(shape)
+
+    def memory(self, offset, nbytes):
+        """A writable memoryview of ``nbytes`` at ``offset``, for ``preadv``/``pwritev``."""
+        return memoryview(self.bytes.numpy())[offset:offset + nbytes]
+
+
+class BufferPool:
+    """A fixed number of :class:`AlignedBuffer`. ``take()`` never waits: every path that
+    takes a buffer gives it back (in ``finally``), so an empty pool is a bug, reported as
+    one rather than a hang."""
+
+    def __init__(self, count, nbytes, pin):
+        self.buffers = [AlignedBuffer(nbytes, pin) for _ in range(count)]
+        self._free = list(self.buffers)
+        self._lock = threading.Lock()
+
+    def take(self):
+        with self._lock:
+            if not self._free:
+                raise RuntimeError("hvd_adapt swap: every buffer of the pool is in use (a buffer "
+                                   "was not given back)")
+            return self._free.pop()
+
+    def give_back(self, buffer):
+        with self._lock:
+            if buffer in self._free:
+                raise RuntimeError("hvd_adapt swap: a buffer was given back twice")
+            self._free.append(buffer)
+
+    def free_count(self):
+        with self._lock:
+            return len(self._free)
+
+    def release(self):
+        for buffer in self.buffers:
+            buffer.release()
+
+
+class SwapFile:
+    """One open file of the state: ``read``/``write`` move exactly the bytes asked, at
+    block-aligned offsets, or raise :class:`SwapError`. ``O_DIRECT`` is asked for where
+    ``direct``; a file system that refuses it (at ``fcntl`` or at the first transfer) gets
+    plain I/O on this file instead."""
+
+    def __init__(self, fd, name, direct):
+        self.fd, self.name = fd, name
+        self.direct = direct and _set_direct(fd, True)
+
+    def reserve(self, nbytes):
+        """Allocate ``nbytes`` of disk for the file now: a disk (or quota) that is full
+        fails here, before anything is stepped, not half-way through writing."""
+        if nbytes == 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as e:
+            raise SwapError(e.errno, f"cannot reserve {nbytes} bytes for {self.name}: "
+                            f"{os.strerror(e.errno)} (errno {_code(e.errno)})") from e
+
+    def read(self, memory, offset):
+        return self._transfer(memory, offset, write=False)
+
+    def write(self, memory, offset):
+        return self._transfer(memory, offset, write=True)
+
+    def _transfer(self, memory, offset, write):
+        """Move all of ``memory`` at ``offset``; returns ``(started, finished)`` times."""
+        started = time.perf_counter()
+        done, total = 0, len(memory)
+        verb = "write" if write else "read"
+        while done < total:
+            piece = memory[done:]
+            try:
+                moved = os.pwritev(self.fd, [piece], offset + done) if write \
+                    else os.preadv(self.fd, [piece], offset + done)
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.direct:
+                    # Accepted at open, refused at I/O: plain I/O for this file.
+                    _set_direct(self.fd, False)
+                    self.direct = False
+                    continue
+                raise SwapError(e.errno, f"cannot {verb} {total - done} of {total} bytes at "
+                                f"offset {offset + done} of {self.name}: {os.strerror(e.errno)} "
+                                f"(errno {_code(e.errno)})") from e
+            if moved == 0:
+                # pwrite of 0 bytes is a full device on some file systems; pread of 0 the end.
+                code = errno.ENOSPC if write else errno.EIO
+                raise SwapError(code, f"cannot {verb} {total - done} of {total} bytes at offset "
+                                f"{offset + done} of {self.name}: "
+                                + ("no progress (disk full)" if write else "the file ends there")
+                                + f" (errno {errno.errorcode[code]})")
+            done += moved
+        return started, time.perf_counter()
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _code(number):
+    return errno.errorcode.get(number, number)
+
+
+def _set_direct(fd, on):
+    """Turn ``O_DIRECT`` on or off for ``fd``; False where the file system refuses it."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    except OSError:
+        return False
+    return on
+
+
+def _numel(shape):
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _element_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
