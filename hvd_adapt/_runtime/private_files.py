@@ -160,7 +160,16 @@ def new_locked_folder(parent, prefix):
     for as long as its owner lives, whatever host name or PID namespace it runs in.
     Returns ``(path, fd)``; open files inside it relative to ``fd`` (``dir_fd=fd``), so a
     folder renamed under us is never followed to another place."""
-    path = tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(parent))
+    parent = os.path.abspath(parent)
+    for _ in range(100):
+        path = os.path.join(parent, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free folder name", parent)
     try:
         return path, _lock_folder(path)
     except BaseException:
