@@ -14,6 +14,7 @@ import torch
 
 from ..scheduling.standby import wait_for_handover
 from .blas import cap_loaded_scipy_blas
+from .gloo import IFACE_VARIABLE, check_host_address
 from .threads import share_cpu_threads
 
 # How long Gloo waits for a peer (its own default: 30 s). Horovod 0.28 uses
@@ -61,6 +62,10 @@ def init(comm=None):
     if launcher() == "python":
         # MPI_Init forks here; see blas.py for what that does to BLAS threads.
         cap_loaded_scipy_blas()
+    # A host whose name resolves to loopback is refused here, with the fix, rather than
+    # by a Gloo connection error on its peers (see gloo.py).
+    check_host_address(os.environ.get(IFACE_VARIABLE),
+                       int(os.environ.get("HOROVOD_CROSS_SIZE", "1")))
     if is_elastic():
         # Read by Horovod at every hvd.init, including those of elastic resets.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))

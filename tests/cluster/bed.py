@@ -159,7 +159,7 @@ class Bed:
         key = os.path.join(host.dir, "ssh_host_ed25519_key")
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
         with open(os.path.join(host.dir, "sshd_config"), "w") as f:
-            f.write(f"ListenAddress {host.address}\nPort 22\nHostKey {key}\n"
+            f.write(f"ListenAddress 0.0.0.0\nPort 22\nHostKey {key}\n"
                     "PidFile none\nPermitRootLogin prohibit-password\n"
                     "PubkeyAuthentication yes\nPasswordAuthentication no\n"
                     "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes yes\n"
