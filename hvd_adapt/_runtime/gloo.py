@@ -18,7 +18,7 @@ a dead or stopped peer is noticed in seconds.
 
 In an elastic reset a survivor learns its new rank and world size from the
 driver's ``rank_and_size`` answer, which also tells the driver that the
-worker is ready (``ElasticRendezvousHandler._get_rank_and_size`` records it,
+worker is ready (horovod/runner/elastic/rendezvous.py records it there,
 so it may be asked once per reset). :func:`init_world` asks for it itself,
 meets, and serves that same answer to ``hvd.init()``'s own request through a
 proxy on loopback that passes everything else on to the real server
