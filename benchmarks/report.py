@@ -296,7 +296,8 @@ def gpu_section():
 
 
 SECTIONS = [overhead_section, time_to_accuracy_section, swap_section, soak_section,
-            resize_section, fault_section, discover_section, cluster_section, goodput_section, gpu_section]
+            resize_section, fault_section, discover_section, cluster_section, goodput_section,
+            gpu_section]
 
 
 def render():

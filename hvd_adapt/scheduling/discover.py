@@ -16,10 +16,11 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    spare slots on them, then new hosts; a host counts only while its sshd
    port answers (``--ssh-port``, every host probed at once: a pod that runs
    is not yet one that accepts ssh, and a host that went down or was cut
-   off is dropped before Horovod's driver launches on it again; a host of
-   the last offer stays, though the base dropped it, while it is the only
-   one of them that answers, since Horovod stops a job offered none) and, with ``--standby-dir``, only with as many slots as it
-   has standby workers ready (:mod:`hvd_adapt.scheduling.standby`);
+   off is dropped before Horovod's driver launches on it again; where the
+   base drops every host of the last offer, one that answers stays, since
+   Horovod stops a job offered none of its world) and, with
+   ``--standby-dir``, only with as many slots as it has standby workers
+   ready (:mod:`hvd_adapt.scheduling.standby`);
 3. with ``--hints`` (the file the job publishes, see
    :mod:`hvd_adapt.scheduling.hints`), offers as many workers as pay
    (:class:`~hvd_adapt.scheduling.rule.DiscoveryRule`); without it, all
