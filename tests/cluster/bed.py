@@ -21,12 +21,15 @@ file system is shared as well (the job's folder, the venv), except
 
 Names (namespaces, bridge, veths) carry a random tag, so beds of parallel
 test runs do not collide; ``close()`` kills every process of the bed's
-namespaces and removes everything it made. Needs root, ``ip``, ``unshare``,
+namespaces and removes everything it made. A bed whose maker died without
+closing it (a test run killed at its timeout) is swept away by the next
+bed built on the machine: the bridge's alias names the maker's pid. Needs root, ``ip``, ``unshare``,
 ``nsenter``, ``sshd`` and ``ssh-keygen``: :func:`missing` says what is
 missing (the fixture skips with that reason).
 """
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -65,6 +68,27 @@ def _sh(*args, check=True):
     if check and result.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
     return result
+
+
+def sweep_orphans():
+    """Remove the beds whose maker is no longer running: their namespaces' processes,
+    namespaces, hosts files and bridge (the veths go with their namespaces)."""
+    links = _sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout
+    for line in links.splitlines():
+        found = re.search(r"\d+: hb([0-9a-f]{6})br[:@].* alias hvdbed-owner-(\d+)", line)
+        if not found or os.path.exists(f"/proc/{found.group(2)}"):
+            continue
+        tag = found.group(1)
+        for netns in _sh("ip", "netns", "list", check=False).stdout.split():
+            if re.fullmatch(f"hvdbed{tag}h\\d+", netns):
+                for pid in _sh("ip", "netns", "pids", netns, check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _sh("ip", "netns", "delete", netns, check=False)
+                shutil.rmtree(os.path.join("/etc/netns", netns), ignore_errors=True)
+        _sh("ip", "link", "delete", f"hb{tag}br", check=False)
 
 
 class Host:
@@ -107,10 +131,12 @@ class Bed:
         self.close()
 
     def build(self):
+        sweep_orphans()
         os.makedirs(self.local)
         self._make_keys()
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         self._made.append(["ip", "link", "delete", self.bridge])
+        _sh("ip", "link", "set", self.bridge, "alias", f"hvdbed-owner-{os.getpid()}")
         _sh("ip", "link", "set", self.bridge, "up")
         for host in self.hosts.values():
             self._make_host(host)
