@@ -184,6 +184,24 @@ def resize_section():
     return "\n".join(parts)
 
 
+def fault_section():
+    records = load("fault_recovery.json")
+    if not records:
+        return None
+    rows = []
+    for row in records[0]["data"]["rows"]:
+        pauses = sorted(run["pause_s"] for run in row["runs"] if run["pause_s"] is not None)
+        pause = (f"{statistics.median(pauses):.1f} ({pauses[0]:.1f}-{pauses[-1]:.1f})"
+                 if pauses else "-")
+        outcomes = ", ".join(sorted({run["outcome"] for run in row["runs"]}))
+        rows.append([row["fault"], row["config"], len(row["runs"]), pause, outcomes, "<= 10 s"])
+    return "\n".join(["## What a host's failure costs: `fault_recovery.py`\n",
+                      notes("fault_recovery"),
+                      table(["fault (h3 of 3)", "configuration", "runs",
+                             "survivors' pause s, median (min-max)", "outcome", "goal"], rows),
+                      provenance(records)])
+
+
 def discover_section():
     records = load("discover_latency.json")
     if not records:
@@ -284,7 +302,8 @@ def gpu_section():
 
 
 SECTIONS = [overhead_section, time_to_accuracy_section, swap_section, soak_section,
-            resize_section, discover_section, cluster_section, goodput_section, gpu_section]
+            resize_section, fault_section, discover_section, cluster_section, goodput_section,
+            gpu_section]
 
 
 def render():

@@ -139,6 +139,11 @@ if [ "$WITHOUT_MPI" = 1 ]; then
 else
     install_debs libopenmpi-dev openmpi-bin g++ make cmake
 fi
+# The tests' multi-host bed (tests/cluster: network namespaces, one sshd per
+# host) needs root, an sshd and ip; elsewhere those tests skip.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    install_debs openssh-server openssh-client iproute2
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtual environment $VENV"

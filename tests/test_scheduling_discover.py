@@ -194,6 +194,30 @@ def test_new_hosts_must_answer_on_the_ssh_port(tmp_path):
         server.close()
 
 
+def test_a_host_whose_sshd_stops_answering_is_dropped_and_one_of_the_world_stays(tmp_path):
+    servers = []
+    for address in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+        server = socket.socket()
+        server.bind((address, servers[0].getsockname()[1] if servers else 0))
+        server.listen(8)
+        servers.append(server)
+    port = str(servers[0].getsockname()[1])
+    try:
+        run = Discovery(tmp_path, ["127.0.0.1", "127.0.0.2", "127.0.0.3"], "--initial-np", "3",
+                        "--probe-timeout", "2")
+        assert run("--ssh-port", port) == [("127.0.0.1", 1), ("127.0.0.2", 1), ("127.0.0.3", 1)]
+        servers.pop().close()                  # 127.0.0.3 goes down, still listed
+        assert run("--ssh-port", port) == [("127.0.0.1", 1), ("127.0.0.2", 1)]
+        # The base drops every host of the world for a new one while 127.0.0.2 answers:
+        # a set sharing no host with the world would end the job.
+        run.set_hosts(["127.0.0.4"])
+        servers.pop(0).close()
+        assert run("--ssh-port", port) == [("127.0.0.2", 1)]
+    finally:
+        for server in servers:
+            server.close()
+
+
 def test_console_script_prints_host_lines_and_loads_no_torch(tmp_path):
     (tmp_path / "hosts").write_text("a:2\nb\n")
     state = str(tmp_path / "state.json")

@@ -14,22 +14,8 @@ import torch
 
 from ..scheduling.standby import wait_for_handover
 from .blas import cap_loaded_scipy_blas
+from .gloo import COLLECTIVE_TIMEOUT_SECONDS, TIMEOUT_VARIABLE, init_world
 from .threads import share_cpu_threads
-
-# How long Gloo waits for a peer (its own default: 30 s). Horovod 0.28 uses
-# this one value for two waits (horovod/common/gloo/gloo_context.cc,
-# Rendezvous: setTimeout and HTTPStore::wait): the rendezvous of every
-# (re)initialisation, and each message of a collective. The rendezvous
-# comes first: on a grow, Horovod's driver starts the new worker only once
-# the survivors wait in it (ElasticDriver.resume after the workers'
-# barrier), so the survivors wait there for the new worker's whole start-up
-# (ssh, a container, `import torch`, the script up to init()), which takes
-# 8-40 s on a cluster. Too short a value killed the survivors at every such
-# grow. The price of a long one: a survivor that waits for a message from
-# another survivor stuck behind a dead peer notices the death only after
-# this long (about half the kills in benchmarks/RESULTS.md's soak; the
-# others are noticed at once).
-GLOO_TIMEOUT_SECONDS = 60
 
 
 def init(comm=None):
@@ -37,11 +23,12 @@ def init(comm=None):
 
     ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
     ranks) to run this job on a subset of an ``mpirun`` world. In an elastic
-    job, Gloo waits ``GLOO_TIMEOUT_SECONDS`` (60 s) for a peer, in the
-    rendezvous with a worker that is still starting up and for a message,
-    unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (or ``horovodrun
-    --gloo-timeout-seconds``) says otherwise: set it above your workers'
-    start-up time. Afterwards
+    job, the workers of a world first wait for each other to start (up to
+    ``HVD_ADAPT_START_TIMEOUT_SECONDS``, 60 s), then Gloo waits 5 s for a
+    peer's message (``COLLECTIVE_TIMEOUT_SECONDS``, unless
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` or ``horovodrun --gloo-timeout-seconds``
+    says otherwise): a dead or stopped peer costs seconds, a worker slow to
+    start costs nothing (see ``_runtime/gloo.py``). Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it. In a standby
@@ -62,9 +49,11 @@ def init(comm=None):
         # MPI_Init forks here; see blas.py for what that does to BLAS threads.
         cap_loaded_scipy_blas()
     if is_elastic():
-        # Read by Horovod at every hvd.init, including those of elastic resets.
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(GLOO_TIMEOUT_SECONDS))
-    hvd.init(comm=comm)
+        # Read by Horovod at every hvd.init, including those of elastic resets; short,
+        # since init_world lets no worker into Gloo's rendezvous before all have started.
+        os.environ.setdefault(TIMEOUT_VARIABLE, str(COLLECTIVE_TIMEOUT_SECONDS))
+    # Refuses a host whose name resolves to loopback, and meets the world (gloo.py).
+    init_world(lambda: hvd.init(comm=comm))
     share_cpu_threads(hvd.local_size(), hvd.local_rank())
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())

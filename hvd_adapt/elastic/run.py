@@ -1,6 +1,7 @@
 """``run``: Horovod's elastic loop with hvd_adapt's resets.
 
-Under ``horovodrun`` in elastic mode, ``run`` is ``hvd.elastic.run``: a
+Under ``horovodrun`` in elastic mode, ``run`` is ``hvd.elastic.run`` (with
+the reset of ``_runtime/gloo.py``, where a new world's workers meet first): a
 failed collective restores the last commit, a host change raises at
 ``commit()``, and either way Horovod re-forms the world and calls the
 training function again. hvd_adapt adds that after every reset the rest of
@@ -13,9 +14,18 @@ checkpointed). Anywhere else (plain ``python``, ``mpirun``, non-elastic
 import functools
 
 import horovod.torch as hvd
+from horovod.common.elastic import run_fn
 
 from .._runtime import env
 from .._runtime.context import CONTEXT
+from .._runtime.gloo import init_world
+
+
+def _reset():
+    """Horovod's reset (``horovod.torch.elastic._reset``: shutdown, init), except that
+    the new world's workers meet before Gloo's rendezvous (see ``_runtime/gloo.py``)."""
+    hvd.shutdown()
+    init_world(hvd.init, reset=True)
 
 
 def run(func):
@@ -40,7 +50,7 @@ def run(func):
         state.finish_training_function()
         return result
 
-    elastic = hvd.elastic.run(attempt)
+    elastic = run_fn(attempt, _reset)
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):

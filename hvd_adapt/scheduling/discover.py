@@ -13,10 +13,14 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
 
 1. reads the base hosts, in the base's order;
 2. puts the hosts it offered last time first (their slots as before), then
-   spare slots on them, then new hosts; a new host counts only when its
-   sshd port answers (``--ssh-port``; a pod that runs is not yet one that
-   accepts ssh) and, with ``--standby-dir``, only with as many slots as it
-   has standby workers ready (:mod:`hvd_adapt.scheduling.standby`);
+   spare slots on them, then new hosts; a host counts only while its sshd
+   port answers (``--ssh-port``, every host probed at once: a pod that runs
+   is not yet one that accepts ssh, and a host that went down or was cut
+   off is dropped before Horovod's driver launches on it again; where the
+   base drops every host of the last offer, one that answers stays, since
+   Horovod stops a job offered none of its world) and, with
+   ``--standby-dir``, only with as many slots as it has standby workers
+   ready (:mod:`hvd_adapt.scheduling.standby`);
 3. with ``--hints`` (the file the job publishes, see
    :mod:`hvd_adapt.scheduling.hints`), offers as many workers as pay
    (:class:`~hvd_adapt.scheduling.rule.DiscoveryRule`); without it, all
@@ -83,12 +87,21 @@ def candidates(base, previous, args, ready=None):
                     for host, slots in base}
     kept = [(host, min(slots, capacity[host])) for host, slots in previous.items()
             if host in capacity]
-    spare = [(host, capacity[host] - slots) for host, slots in kept if capacity[host] > slots]
     new = [host for host, _ in base if host not in previous and capacity[host] > 0]
-    if new and args.ssh_port:
-        from .probe import reachable      # sockets only when a new host needs probing
-        answering = reachable(new, args.ssh_port, args.probe_timeout)
+    if (new or previous) and args.ssh_port:
+        from .probe import reachable      # sockets only when there is a host to probe
+        # The hosts offered last are probed again with the new ones, all at once: one
+        # whose sshd stopped answering (down, cut off) is not offered again, so Horovod's
+        # driver does not launch on it after its blacklist cooldown.
+        answering = reachable(new + list(previous), args.ssh_port, args.probe_timeout)
         new = [host for host in new if host in answering]
+        kept = [(host, slots) for host, slots in kept if host in answering]
+        if previous and not kept:
+            # Horovod's driver stops a job offered no host of its world ("No hosts from
+            # previous set remaining"): one of them stays while it answers.
+            kept = [(host, slots) for host, slots in previous.items() if host in answering][:1]
+    spare = [(host, capacity[host] - slots) for host, slots in kept
+             if capacity.get(host, 0) > slots]
     return kept, spare + [(host, capacity[host]) for host in new]
 
 
@@ -268,7 +281,7 @@ def parser():
     p.add_argument("--ssh-port", type=int, default=22,
                    help="port a new host must answer on (default 22; 0: no check)")
     p.add_argument("--probe-timeout", type=float, default=0.03,
-                   help="seconds to wait for new hosts' ports, all at once (default 0.03)")
+                   help="seconds to wait for the hosts' ports, all at once (default 0.03)")
     p.add_argument("--standby-dir", default=None,
                    help="offer new slots only where a standby worker is ready "
                         "(hvd-adapt-worker --standby)")

@@ -1,0 +1,145 @@
+"""Elastic jobs on the namespace cluster with one host's failure injected mid-training.
+
+:func:`run_fault` starts tests/distributed/workers/elastic_train.py (AdamW
+with weight decay, bf16 autocast with a GradScaler, autoscaling with
+gradient accumulation) under elastic ``horovodrun`` on h1, over real ssh to
+h1, h2 and h3 (``--network-interface eth0``), with a discovery script that
+prints the lines of the job folder's ``hosts`` file. Once rank 0 has
+committed ``at_step`` steps, ``inject(bed, job)`` injects the fault; the job
+then has ``after_fault`` seconds to finish its epochs (about 15 s of
+training are left: the bound is what turns a stall of a minute or a hang
+into a failure). What every rank logged is
+read back for the soak's checks (tests/distributed/training_logs.py), and
+the seconds between the fault and the survivors' next commit are measured
+(for benchmarks/fault_recovery.py; the tests assert no time).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [os.path.join(TESTS, "distributed"), TESTS]
+
+from launch import WORKERS, launch_env  # noqa: E402
+from training_logs import read_logs  # noqa: E402
+
+FAST_HOROVODRUN = os.path.join(TESTS, "hvdrun_fast_discovery.py")
+SAMPLES = 96
+ALL = ["h1:1", "h2:1", "h3:1"]
+
+
+class FaultJob:
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.returncode = None
+        self.output = ""
+        self.fault_time = None
+        self.commits, self.epochs = [], []
+
+    def set_hosts(self, hosts):
+        path = os.path.join(self.out_dir, "hosts")
+        with open(path + ".tmp", "w") as f:
+            f.write("".join(h + "\n" for h in hosts))
+        os.replace(path + ".tmp", path)
+
+    def progress(self):
+        try:
+            with open(os.path.join(self.out_dir, "progress")) as f:
+                return int(f.read() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def stall(self):
+        """Seconds from the fault to the first commit after it of a rank in a world that
+        trained on: the survivors' pause (None before a commit after the fault)."""
+        after = sorted(entry["time"] for entry in self.commits
+                       if entry["time"] > self.fault_time)
+        return after[0] - self.fault_time if after else None
+
+    def describe(self):
+        return f"exit {self.returncode}, output:\n{self.output[-5000:]}"
+
+
+def discovery(out_dir):
+    path = os.path.join(out_dir, "discover.sh")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\ncat "{out_dir}/hosts"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=ALL,
+              worker_args=(), launcher_args=(), env=None, np=3, min_np=2, start_timeout=150):
+    """Run the job, call ``inject(bed, job)`` once rank 0 committed ``at_step`` steps
+    (within ``start_timeout`` s), wait up to ``after_fault`` seconds more for the job's
+    end; return the :class:`FaultJob` (``returncode`` "timeout" where it had to be
+    killed)."""
+    job = FaultJob(out_dir)
+    job.set_hosts(hosts)
+    command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
+               "--max-np", "3", "--network-interface", "eth0",
+               "--host-discovery-script", discovery(out_dir),
+               "--blacklist-cooldown-range", "1", "3", *launcher_args,
+               sys.executable, os.path.join(WORKERS, "elastic_train.py"),
+               "--samples", str(SAMPLES), "--epochs", str(epochs), "--adamw", "--amp",
+               "--inf-steps", "[1, 2]", "--autoscale", "--batch-size", "8",
+               "--max-local-bsz", "8", "--batch-seconds", "0.1", *worker_args]
+    log_path = os.path.join(out_dir, "output.log")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = bed.popen("h1", command, cwd=out_dir, env=launch_env(out_dir, env),
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while job.progress() < at_step and proc.poll() is None \
+                    and time.monotonic() - started < start_timeout:
+                time.sleep(0.05)
+            if proc.poll() is None and job.progress() >= at_step:
+                job.fault_time = time.time()
+                inject(bed, job)
+                job.returncode = proc.wait(timeout=after_fault)
+            else:
+                job.returncode = proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            job.returncode = "timeout"
+        finally:
+            stop_job(bed, proc)
+    with open(log_path) as f:
+        job.output = f.read()
+    job.commits, job.epochs = read_logs(out_dir)
+    return job
+
+
+def stop_job(bed, proc):
+    """End the launcher and every worker it left on any host."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for name in bed.hosts:
+        for pid in bed.find(name, "elastic_train.py") + bed.find(name, "hvdrun_fast_discovery"):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def worker_pid(bed, host):
+    """The training process of the worker on ``host`` (not its ssh or shell)."""
+    pids = [pid for pid in bed.find(host, "elastic_train.py")
+            if _exe(pid).startswith("python")]
+    assert pids, f"no worker on {host}"
+    return max(pids)
+
+
+def _exe(pid):
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""
+
+
+def summary(job):
+    return json.dumps({"returncode": job.returncode, "stall": job.stall(),
+                       "epochs": len(job.epochs)})
