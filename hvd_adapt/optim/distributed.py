@@ -21,6 +21,7 @@ from .._runtime import collective, env
 from .._runtime.context import CONTEXT
 from ..autoscale.controller import MEASURE_EVERY, Controller
 from ..elastic.participant import Participant
+from .backward_pass import current_task
 from .exchange import Cycle, GradientExchange
 from .noise import GradientNoiseScale, adam_denominators
 from .scaling_rules import ScalingRule, default_rule
@@ -271,8 +272,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     def synchronize(self):
         """Wait for the gradient allreduces; afterwards every rank holds the averaged
         gradients. They are waited for at the end of backward already, so this only
-        matters for code that reads gradients from inside the backward pass."""
+        matters for code that reads gradients from inside the backward pass, and where
+        ``.grad`` was assigned since (PCGrad, gradient surgery): those are averaged here
+        (see ``ledger.py``), as ``step()`` does when not in :meth:`skip_synchronize`.
+        Outside backward it is a collective, like ``step()``."""
         self._exchange.synchronize()
+        if current_task() == -1 and not self._exchange.cycle_open:
+            self._exchange.reconcile()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -302,6 +308,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             return None
         if not self._skip_sync:
             self._exchange.synchronize()
+            self._exchange.reconcile()
         if not self._synced and env.size() > 1:
             self._sync_forgotten()
         finished = self._exchange.take_finished()
