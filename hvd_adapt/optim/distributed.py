@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 class DistributedOptimizer(torch.optim.Optimizer, Participant):
     """Wrap ``optimizer``: average gradients over replicas, accumulate, scale the lr.
 
-    The loop is a plain PyTorch loop; call ``zero_grad()``, one
-    ``backward()`` and ``step()`` for every batch (sum several losses before
-    the one backward: each backward pass counts as a micro-step). Gradients are averaged over replicas by
+    The loop is a plain PyTorch loop; call ``zero_grad()``, ``backward()``
+    and ``step()`` for every batch (several backwards before a step add up as
+    in one process). Gradients are averaged over replicas by
     grouped Horovod allreduces of buckets of up to ``bucket_cap_mb`` (None:
     25 MB on GPUs, 4 MB on the CPU, see ``exchange.py``), each started
     from gradient hooks once backward has produced the whole bucket, on the

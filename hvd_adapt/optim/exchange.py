@@ -125,6 +125,7 @@ class GradientExchange:
         self._micro_hooks = []
         self._extra_hooks = []      # scale a finished cycle's later passes (see _open)
         self._deferred = set()      # positions whose hook fired nested or twice in a pass
+        self._nodes = None
         self.ledger = Ledger()
         self._finalizer = weakref.finalize(self, _remove_all, self._hooked, self._micro_hooks,
                                            self._extra_hooks)
@@ -218,6 +219,7 @@ class GradientExchange:
         self._version = zlib.crc32(repr(self._layout.buckets).encode())
         self._rebuilt = False
         self._deferred = set()
+        self._nodes = None          # each parameter's AccumulateGrad node, once needed
         self.ledger.forget()
         # Parameters made trainable inside the pass under way may have had their
         # gradients before their hooks: their use is read from .grad at its end.
@@ -424,11 +426,14 @@ class GradientExchange:
         # micro-batch's was: a pre-hook on each parameter's AccumulateGrad node
         # (which runs for .backward() only, never for autograd.grad) scales it.
         # Removed when the cycle is stepped or dropped.
-        for p in self._layout.params:
-            # The node is kept with its handle: a hook lives as long as its node.
-            # (Grad mode is off where a pass ends.)
+        if self._nodes is None:
+            # Kept, as DDP keeps them: a parameter's node lives as long as someone
+            # holds it, and a hook as long as its node. (Grad mode is off where a
+            # pass ends.)
             with torch.enable_grad():
-                node = p.view_as(p).grad_fn.next_functions[0][0]
+                self._nodes = [p.view_as(p).grad_fn.next_functions[0][0]
+                               for p in self._layout.params]
+        for node in self._nodes:
             self._extra_hooks.append((node, node.register_prehook(
                 lambda grads, micro=micro: tuple(None if g is None else g / micro
                                                  for g in grads))))
@@ -437,7 +442,10 @@ class GradientExchange:
         # Every rank got rank 0's observed order through the same allreduce:
         # all rebuild alike, once, before the next cycle.
         if order != self._layout.order:
+            # Positions stay (only the buckets change): what the cycle learned holds.
+            deferred = self._deferred
             self._build(order)
+            self._deferred = deferred
         self._rebuilt = True
 
     def _is_rank0(self):

@@ -19,6 +19,7 @@ CASE_LIMIT_S = 120
 JOBS = {
     "issue-32-patterns": [
         "checkpoint_shared_layer", "checkpoint_shared_layer_unused",      # 1
+        "checkpoint_shared_layer_also_outside",                           # 1
         "parameter_order_per_rank",                                       # 2
         "pcgrad", "assigned_grad",                                        # 3
         "hand_accumulation_alternating_heads", "two_backwards_per_step",  # 4

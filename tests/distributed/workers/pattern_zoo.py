@@ -181,19 +181,24 @@ class Branchy(nn.Module):
 
 
 class Albert(nn.Module):
-    """One shared layer applied in several reentrant checkpointed blocks (ALBERT)."""
+    """One shared layer applied in several reentrant checkpointed blocks (ALBERT); with
+    ``outside`` once more after them, outside any checkpoint (its first contribution in
+    backward then comes from the outer pass, the later ones from nested ones)."""
 
-    def __init__(self, unused=0):
+    def __init__(self, unused=0, outside=False):
         super().__init__()
         self.embed = nn.Linear(FEATURES, 12)
         self.shared = nn.Linear(12, 12)
         self.out = nn.Linear(12, CLASSES)
         self.spare = nn.ParameterList(nn.Parameter(torch.ones(3)) for _ in range(unused))
+        self.outside = outside
 
     def forward(self, x):
         h = self.embed(x)
         for _ in range(3):
             h = checkpoint(lambda a: torch.tanh(self.shared(a)), h, use_reentrant=True)
+        if self.outside:
+            h = torch.tanh(self.shared(h))
         return self.out(h)
 
 
@@ -670,6 +675,13 @@ def albert(side):
 def albert_unused(side):
     model = side.build(lambda: Albert(unused=3))
     opt = side.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain_steps(side, model, opt, ce(model))
+
+
+@case("checkpoint_shared_layer_also_outside")
+def albert_outside(side):
+    model = side.build(lambda: Albert(outside=True))
+    opt = side.wrap(sgd(model.parameters()), bucket_cap_mb=1e-6)
     plain_steps(side, model, opt, ce(model))
 
 
