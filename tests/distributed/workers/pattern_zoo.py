@@ -180,6 +180,20 @@ class Branchy(nn.Module):
         return self.out(h)
 
 
+class Slow(torch.autograd.Function):
+    """Identity whose backward takes a while: the next block's gradient comes after an
+    allreduce started early would have finished (so an early start is wrong, not racy)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.02)
+        return grad
+
+
 class Albert(nn.Module):
     """One shared layer applied in several reentrant checkpointed blocks (ALBERT); with
     ``outside`` once more after them, outside any checkpoint (its first contribution in
@@ -196,7 +210,8 @@ class Albert(nn.Module):
     def forward(self, x):
         h = self.embed(x)
         for _ in range(3):
-            h = checkpoint(lambda a: torch.tanh(self.shared(a)), h, use_reentrant=True)
+            h = checkpoint(lambda a: torch.tanh(self.shared(Slow.apply(a))), h,
+                           use_reentrant=True)
         if self.outside:
             h = torch.tanh(self.shared(h))
         return self.out(h)
@@ -581,10 +596,16 @@ def loader_zero_in_place(side):
 
 @case("set_to_none_false_unused_branch")
 def set_to_none_false(side):
-    # Pattern 7: zero gradients, a branch no rank uses: momentum and decay go on.
+    # Pattern 7: zeroed gradients, a branch no rank uses after the first step: its zero
+    # gradient stays, so momentum and weight decay go on moving it.
     model = side.build(Branchy)
     opt = side.wrap(sgd(model.parameters(), weight_decay=0.1))
-    plain_steps(side, model, opt, ce(model), zero=lambda: opt.zero_grad(set_to_none=False))
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        side.mean(side.shards(step), lambda i, x, y: F.cross_entropy(
+            model(x, branch=step == 0), y)).backward()
+        opt.step()
+        side.record(model, opt)
 
 
 @case("model_zero_grad")
@@ -673,7 +694,8 @@ def albert(side):
 
 @case("checkpoint_shared_layer_unused")
 def albert_unused(side):
-    model = side.build(lambda: Albert(unused=3))
+    # Four unused: as many parameters as the shared weight's extra contributions.
+    model = side.build(lambda: Albert(unused=4))
     opt = side.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2))
     plain_steps(side, model, opt, ce(model))
 
