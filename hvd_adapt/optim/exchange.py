@@ -517,17 +517,25 @@ class GradientExchange:
         self._handles[key] = (handle, sent, extra is not None)
 
     def reconcile(self):
-        """Collective where several replicas train (call it at ``step()`` and
-        ``synchronize()``, outside a cycle's micro-steps): average every ``.grad`` that no
-        allreduce of this cycle averaged (a gradient the user assigned, one from a pass
-        whose hooks never finished), as Horovod's ``synchronize()`` does. Which parameters
-        go is agreed first by a bitmask over every rank, so the allreduce's members never
-        depend on one rank's state; parameters no rank has a gradient for stay None."""
+        """Call it at ``step()`` and ``synchronize()``, outside a cycle's micro-steps: average
+        every ``.grad`` that no allreduce of this cycle averaged (a gradient the user
+        assigned, one from a pass whose hooks never finished), as Horovod's
+        ``synchronize()`` does. Which parameters go is agreed first by a bitmask over every
+        rank, so the allreduce's members never depend on one rank's state; parameters no
+        rank has a gradient for stay None.
+
+        A collective, except where this cycle's hooks averaged every gradient this rank
+        holds: every rank took part in that cycle's allreduces, so a rank that then skips
+        ``step()`` for its own reason still leaves no one waiting. Ranks must agree on
+        assigning gradients after backward (SPMD code does): one that assigns alone
+        waits here for the others, and Horovod's stall inspector names this tensor."""
         if hvd.size() == 1:
             return
         layout = self._current_layout()
-        flags = torch.zeros(len(layout.params), dtype=torch.int32)
         pending = self.ledger.unaveraged(layout.params)
+        if not pending and self.finished is not None:
+            return
+        flags = torch.zeros(len(layout.params), dtype=torch.int32)
         if pending:
             flags[pending] = 1
         # A host tensor: the decision reads it without waiting for the device.
