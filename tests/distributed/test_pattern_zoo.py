@@ -20,8 +20,8 @@ JOBS = {
     "issue-32-patterns": [
         "checkpoint_shared_layer", "checkpoint_shared_layer_unused",      # 1
         "checkpoint_shared_layer_also_outside",                           # 1
-        "parameter_order_per_rank",                                       # 2
-        "pcgrad", "assigned_grad",                                        # 3
+        "parameter_order_per_rank", "different_parameters_per_rank",      # 2
+        "pcgrad", "assigned_grad", "grad_surgery_after_backward",         # 3
         "hand_accumulation_alternating_heads", "two_backwards_per_step",  # 4
         "loader_accumulation_two_backwards",                              # 5
         "loader_accumulation_model_zero_grad",                            # 6

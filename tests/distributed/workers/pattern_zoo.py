@@ -381,6 +381,23 @@ def assigned_grad(side):
         side.record(model, opt)
 
 
+@case("grad_surgery_after_backward")
+def surgery(side):
+    # Pattern 3 after an averaged backward: .grad replaced by a new tensor that adds a
+    # per-shard term (each rank's own), then step().
+    model = side.build(mlp)
+    opt = side.wrap(sgd(model.parameters()))
+    for step in range(STEPS):
+        opt.zero_grad()
+        shards = side.shards(step)
+        side.mean(shards, ce(model)).backward()
+        extra = sum(float(x.mean()) for _, x, _ in shards) / len(shards)
+        for p in model.parameters():
+            p.grad = p.grad + 0.1 * extra * p.detach()
+        opt.step()
+        side.record(model, opt)
+
+
 @case("maml_inner_loop")
 def maml(side):
     model = side.build(mlp)
@@ -786,6 +803,14 @@ def seeds(side):
     # Pattern 8: every rank initialises its own model; rank 0's weights must win.
     model = side.build(mlp, per_rank_seed=True)
     opt = side.wrap(sgd(model.parameters()))
+    plain_steps(side, model, opt, ce(model))
+
+
+@case("different_parameters_per_rank", raises="differ between ranks")
+def different_parameters(side):
+    # Pattern 2's other half: shapes that differ (a hang on main) raise on every rank.
+    model = side.build(lambda: mlp(12 + side.rank))
+    opt = side.wrap(sgd(model.parameters()), named_parameters=model.named_parameters())
     plain_steps(side, model, opt, ce(model))
 
 
