@@ -72,9 +72,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     ranks match theirs by name (a group's order may differ per rank, see
     ``matching.py``), and errors name them. Construction is a collective
     outside elastic jobs: it checks that every rank has the same parameters
-    and gives every rank rank 0's values (as DDP does). A backward pass that raises (caught) drops its accumulation
-    cycle on every rank, or, where it raised on some ranks only, makes every
-    rank raise :class:`hvd_adapt.AbandonedBackwardError` (see ``exchange.py``).
+    and gives every rank rank 0's values (as DDP does). At ``step()`` every
+    ``.grad`` no hook averaged (assigned by the user) is averaged, see
+    ``ledger.py``. A backward pass that raises (caught) drops its
+    accumulation cycle on every rank, or, where it raised on some ranks only,
+    makes every rank raise :class:`hvd_adapt.AbandonedBackwardError` (see
+    ``exchange.py``).
 
     >>> import hvd_adapt, torch
     >>> hvd_adapt.init()

@@ -17,6 +17,25 @@ gradients are waited for at the end of the pass (as DDP does), so when
 rank that then skips ``step()`` leaves no collective behind. A parameter
 that no rank used in a cycle keeps ``grad=None`` (a weight-decayed optimizer
 leaves it alone); one that some ranks used averages with zeros elsewhere.
+"Used" is read from ``.grad`` at the pass's end: a gradient from an earlier
+pass of the cycle, or a zeroed one (``set_to_none=False``), counts, as it
+does for one process.
+
+A bucket is ready when the pass that owns it says so: the first cycle of a
+layout sends every bucket at the end of its pass and watches; a parameter
+whose gradient came from a nested task (reentrant checkpointing) or twice in
+one pass is then held to the end of the outermost pass, after its last
+contribution. One that gets a gradient again after its bucket was sent
+anyway makes every rank refuse the cycle, naming it.
+
+Several backwards before a step add up as in one process. A pass into
+gradients already averaged (a second loss, hand-written accumulation)
+averages again: each rank holds the same average plus its own new share, so
+the new average adds that share's average once; after a loader's cycle of
+``k`` micro-batches, a pre-hook on each parameter's AccumulateGrad node
+first scales a later pass's gradient by ``1/k``. Between the micro-steps of a
+loader's cycle ``ledger.py`` keeps each local sum: ``model.zero_grad()`` is
+undone, a change in place refused on every rank.
 
 A pass is one ``.backward()`` (``backward_pass.py``): nested reentrant
 backwards and ``torch.autograd.grad`` open nothing. A pass that raised is

@@ -17,7 +17,6 @@ the case, if one runs past its limit: a hang is reported, never waited out.
 ``--cases a,b`` runs those cases (all by default), in that order.
 """
 import argparse
-import copy
 import gc
 import math
 import os
