@@ -87,7 +87,12 @@ class Side:
         batch = self.size * SHARD
         loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=batch, shuffle=True,
                                               drop_last=True)
-        if micro > 1:
+        if micro == "split":
+            # Autoscaling without accumulation: one replica measuring the noise gets
+            # a step in four as two half batches (no user setting asks for it).
+            loader.autoscale_batch_size(batch, local_bsz_bounds=(4, SHARD),
+                                        decide_every=10 ** 6)
+        elif micro > 1:
             local = SHARD // micro
             loader.autoscale_batch_size(batch, local_bsz_bounds=(local, local),
                                         gradient_accumulation=True, decide_every=10 ** 6)
@@ -594,6 +599,20 @@ def loader_model_zero_grad(side):
         side.mean(shards, ce(model)).backward()
 
     loader_loop(side, model, opt, 2, backward)
+
+
+@case("loader_split_model_zero_grad")
+def loader_split_model_zero_grad(side):
+    # Pattern 6 with the noise measurement's split steps (one replica) instead.
+    model = side.build(mlp)
+    opt = side.wrap(sgd(model.parameters()))
+
+    def backward(shards):
+        if side.distributed:
+            model.zero_grad()
+        side.mean(shards, ce(model)).backward()
+
+    loader_loop(side, model, opt, "split", backward)
 
 
 @case("loader_accumulation_zero_in_place",
