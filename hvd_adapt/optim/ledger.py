@@ -21,6 +21,8 @@ micro-steps of a cycle. The ledger keeps, per position of the layout:
 """
 import weakref
 
+import torch
+
 
 class Ledger:
     """Per-position records of averaged and of locally accumulated gradients."""
@@ -59,6 +61,9 @@ class Ledger:
         positions whose sum was changed in place. ``accumulated_pos`` already had this
         pass's gradient added (one version more)."""
         tampered = []
+        # model.zero_grad() clears every gradient: one that the others show cleared
+        # was cleared too, not summed out of place by a create_graph pass.
+        cleared = any(params[pos].grad is None for pos in self._local if pos != accumulated_pos)
         for pos, (kept, version) in self._local.items():
             p = params[pos]
             grad = p.grad
@@ -70,10 +75,11 @@ class Ledger:
                 tampered.append(pos)
             elif grad is None:
                 p.grad = kept
-            elif pos == accumulated_pos:
-                # .grad was None when this pass's gradient came: a fresh tensor.
-                p.grad = kept.add_(grad)
-            # Otherwise the user assigned a tensor: it is the sum from now on,
-            # as in one process.
+            elif pos == accumulated_pos and (cleared or not torch.is_grad_enabled()):
+                # .grad was None when this pass's gradient came (outside grad mode
+                # autograd adds in place): a fresh tensor.
+                p.grad = kept + grad if grad.requires_grad else kept.add_(grad)
+            # Otherwise the user assigned a tensor, or a create_graph pass summed
+            # out of place: it is the sum from now on, as in one process.
         self._local = {}
         return tampered

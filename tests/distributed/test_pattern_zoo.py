@@ -38,6 +38,7 @@ JOBS = {
     ],
     "training-recipes": [
         "plain_sgd", "adamw", "hand_accumulation", "loader_accumulation", "model_zero_grad",
+        "loader_accumulation_create_graph",
         "schedulers", "onecycle", "clip_grad_norm", "synchronize_clip_skip", "grad_scaler",
         "unfreeze_mid_training", "retain_graph_twice",
     ],

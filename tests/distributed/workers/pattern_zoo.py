@@ -18,6 +18,7 @@ the case, if one runs past its limit: a hang is reported, never waited out.
 """
 import argparse
 import gc
+import warnings
 import math
 import os
 import threading
@@ -601,6 +602,21 @@ def loader_model_zero_grad(side):
     loader_loop(side, model, opt, 2, backward)
 
 
+@case("loader_accumulation_create_graph")
+def loader_create_graph(side):
+    # backward(create_graph=True) (a second-order method's loop): autograd then sums
+    # each micro-step into a new tensor, which is not a cleared gradient.
+    model = side.build(mlp)
+    opt = side.wrap(sgd(model.parameters()))
+
+    def backward(shards):
+        side.mean(shards, ce(model)).backward(create_graph=True)
+
+    loader_loop(side, model, opt, 2, backward)
+    for p in model.parameters():
+        p.grad = None       # break the cycle torch warns about
+
+
 @case("loader_split_model_zero_grad")
 def loader_split_model_zero_grad(side):
     # Pattern 6 with the noise measurement's split steps (one replica) instead.
@@ -910,6 +926,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     hvd_adapt.init()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     for name in names:
         RESULTS[name] = run_case(name, args.timeout)
