@@ -17,7 +17,10 @@ process runs the two loops in alternating rounds and reports median step
 times after warm-up, the median over rounds of the ratio of the two loops'
 median step times (the ratio the goal is set on) with a bootstrap 90%
 interval over rounds, and the ratio of mean step times (which includes the
-commits' snapshots).
+commits' snapshots). ``ledger_ms`` is the median time of the optimizer's check
+at the step (``synchronize()`` after backward: the ledger's identity checks
+and the bitmask every rank agrees on), ``ledger_share`` its share of the
+hvd_adapt loop's median step.
 
     python benchmarks/overhead.py [--model mlp-small,mlp-8m,mlp-25m] [--commit-every 10]
                                   [--measure-noise] [--device auto|cpu|cuda]
@@ -126,13 +129,20 @@ def worker(args):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            opt.step()
+            # The ledger's check at the step (identities, the agreed bitmask), timed
+            # alone: synchronize() does what step() would, skip_synchronize() the rest.
+            started = time.perf_counter()
+            opt.synchronize()
+            ledger.append(time.perf_counter() - started)
+            with opt.skip_synchronize():
+                opt.step()
             stats["loss"] += loss.item()
             if i % args.commit_every == 0 and loader.is_optim_step():
                 state.commit()
         return timed(loader, steps, step, loader.is_optim_step)
 
     loops = {"plain": plain, "hvd_adapt": adaptive}
+    ledger = []
     if args.memory_of:
         baseline = peak_memory(device)
         loops[args.memory_of](args.warmup)
@@ -141,6 +151,7 @@ def worker(args):
                 json.dump({"peak_bytes": peak_memory(device) - baseline}, f)
         return
     results = {"plain": [], "hvd_adapt": []}
+    ledger.clear()
     round_ratios = []
     per_round = (args.steps + args.warmup) // args.rounds
     for _ in range(args.rounds):
@@ -156,7 +167,9 @@ def worker(args):
             # per-round ratios discounts load that comes and goes on a shared machine.
             json.dump({k: float(np.median(v)) for k, v in results.items()} |
                       {k + "_mean": float(np.mean(v)) for k, v in results.items()} |
-                      {"ratio": float(np.median(round_ratios)),
+                      {"ledger": float(np.median(ledger)),
+                       "ledger_share": float(np.median(ledger) / np.median(results["hvd_adapt"])),
+                       "ratio": float(np.median(round_ratios)),
                        "ratio_interval": median_interval(round_ratios),
                        "steps": len(results["plain"])}, f)
 
@@ -273,7 +286,7 @@ def main(argv=None):
             parser.error(f"--model {name!r} is not one of {', '.join(MODELS)}")
     print(f"{'model':>9} {'procs':>5} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
           f"{'90% interval':>13} {'mean_ratio':>10} {'steps':>6} {'plain_MiB':>9} "
-          f"{'hvd_adapt_MiB':>13}")
+          f"{'hvd_adapt_MiB':>13} {'ledger_ms':>9} {'ledger_share':>12}")
     worst = 0.0
     rows = []
     for name in models:
@@ -295,11 +308,13 @@ def main(argv=None):
             interval = f"{low:.3f}-{high:.3f}"
             print(f"{name:>9} {np_:>5} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} "
                   f"{ratio:>6.3f} {interval:>13} {mean_ratio:>10.3f} {r['steps']:>6} "
-                  f"{mem['plain']:>9.1f} {mem['hvd_adapt']:>13.1f}", flush=True)
+                  f"{mem['plain']:>9.1f} {mem['hvd_adapt']:>13.1f} {r['ledger'] * 1e3:>9.3f} "
+                  f"{r['ledger_share']:>12.4f}", flush=True)
             rows.append({"model": name, "procs": np_, "plain_ms": r["plain"] * 1e3,
                          "hvd_adapt_ms": r["hvd_adapt"] * 1e3, "ratio": ratio,
                          "interval": [low, high], "mean_ratio": mean_ratio, "steps": r["steps"],
-                         "plain_mib": mem["plain"], "hvd_adapt_mib": mem["hvd_adapt"]})
+                         "plain_mib": mem["plain"], "hvd_adapt_mib": mem["hvd_adapt"],
+                         "ledger_ms": r["ledger"] * 1e3, "ledger_share": r["ledger_share"]})
     print(f"overhead_ratio={worst:.3f} (goal <= {1.05 if args.measure_noise else 1.03})")
     if args.json:
         import record

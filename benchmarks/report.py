@@ -83,15 +83,26 @@ def overhead_section():
                          f"{statistics.median(x['hvd_adapt_ms'] for x in found):.2f}",
                          spread([x["ratio"] for x in found]), len(found),
                          f"{statistics.median(x['plain_mib'] for x in found):.0f}",
-                         f"{statistics.median(x['hvd_adapt_mib'] for x in found):.0f}"])
+                         f"{statistics.median(x['hvd_adapt_mib'] for x in found):.0f}",
+                         ledger_cell(found)])
         title = "measuring the noise scale (`--measure-noise`, as when autoscaling)" if measuring \
             else "not measuring the noise scale"
         goal = 1.05 if measuring else 1.03
         parts += [f"### {title}: goal <= {goal} at 2 processes\n",
                   table(["model", "procs", "plain ms", "hvd_adapt ms",
                          "ratio: median (range) over invocations", "invocations", "plain MiB",
-                         "hvd_adapt MiB"], rows), provenance(group)]
+                         "hvd_adapt MiB", "ledger at the step: ms (share of a step)"], rows),
+                  provenance(group)]
     return "\n".join(parts)
+
+
+def ledger_cell(rows):
+    """The optimizer's check at the step (median ms, share of the hvd_adapt step), where the
+    invocations timed it (overhead.py since the ledger)."""
+    if not all("ledger_ms" in row for row in rows):
+        return "-"
+    return (f"{statistics.median(x['ledger_ms'] for x in rows):.3f} "
+            f"({statistics.median(x['ledger_share'] for x in rows):.2%})")
 
 
 def swap_section():

@@ -41,12 +41,14 @@ def test_public_names_resolve_lazily():
 
 
 # `obj._name` on anything but self/cls: reading another object's private attribute.
-# Two of torch's are allowed: Module.state_dict() keeps `_metadata` on the dict
+# Three of torch's are allowed: Module.state_dict() keeps `_metadata` on the dict
 # it returns, which load_state_dict reads back, so a snapshot copies it; and
 # the autograd engine's queue_callback, the end-of-backward callback that DDP
-# and FSDP use too and that has no public equivalent.
+# and FSDP use too and that has no public equivalent. A tensor's `_version`,
+# autograd's count of in-place changes (torch's own saved-tensor check), is
+# how the optimizer's ledger (optim/ledger.py) sees a gradient changed in place.
 _FOREIGN_PRIVATE = re.compile(r"(?<![\w.])(?!self\b|cls\b|hvd_adapt\b)(\w+)\.(_[a-z]\w*)")
-_ALLOWED = {"_metadata", "_execution_engine"}
+_ALLOWED = {"_metadata", "_execution_engine", "_version"}
 # torch's multi-tensor operations: what torch.optim itself uses; later
 # releases name them torch.foreach and keep these names for compatibility.
 _ALLOWED_PREFIXES = {"torch": "_foreach_"}

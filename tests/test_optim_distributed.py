@@ -1,4 +1,6 @@
 """The optimizer in one process with the recipes users run on it."""
+import warnings
+
 import pytest
 import torch
 
@@ -168,3 +170,14 @@ def test_autograd_grad_and_nested_backwards_count_no_cycle(device):
         expected = [w - 0.1 * w.grad, b - 0.1 * b.grad]
     for p, q in zip(model.parameters(), expected):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_a_parameter_listed_twice_is_refused_naming_it():
+    # torch.optim only warns; stepped twice and hooked twice, it never trained as one.
+    hvd_adapt.init()
+    model = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inner = torch.optim.SGD([model.weight, model.bias, model.weight], lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter weight appears twice"):
+        hvd_adapt.DistributedOptimizer(inner, named_parameters=model.named_parameters())

@@ -6,8 +6,9 @@ until an order was observed), up to ``cap_bytes`` each, one dtype and device
 per bucket. Everything that decides a collective's shape is fixed here, when
 the layout is built, and the same on every rank: the buckets, their names,
 and the ``extra`` slot the last bucket carries: the per-group squared norms
-of a measured cycle (zeros otherwise), two flags (this rank completed its
-cycle; this rank abandoned a backward in it), one used-flag per parameter
+of a measured cycle (zeros otherwise), three flags (this rank completed its
+cycle; this rank abandoned a backward in it; this rank refuses the cycle,
+see ``exchange.py``), one used-flag per parameter
 (DDP's globally-unused map), and one slot per parameter for rank 0's
 observed gradient order. A layout is rebuilt only where every rank rebuilds
 it alike: when the set of trainable parameters changes, or in the order rank
@@ -47,16 +48,18 @@ class Layout:
                 self.bucket_of[pos] = index
         self.bucket_size = [len(bucket) for bucket in self.buckets]
         last = self.params[self.buckets[-1][0]] if count else None
-        self.extra_dtype = torch.promote_types(last.dtype, torch.float32) if last is not None \
-            else torch.float32
+        # float64 where the gradients are (float32 or complex128's real view), else float32.
+        self.extra_dtype = torch.float64 if last is not None \
+            and last.dtype in (torch.float64, torch.complex128) else torch.float32
         self.extra_device = last.device if last is not None else torch.device("cpu")
 
-    # The extra slot: [norms per group | completed | abandoned | used per param | order].
+    # The extra slot:
+    # [norms per group | completed | abandoned | refused | used per param | order].
     @property
     def extra_length(self):
-        return self.num_groups + 2 + 2 * len(self.params)
+        return self.num_groups + 3 + 2 * len(self.params)
 
-    def extra(self, norms, completed, abandoned, used, proposed_order):
+    def extra(self, norms, completed, abandoned, used, proposed_order, refused=False):
         """The extra slot's tensor, on the gradients' device: ``norms`` a float64 tensor per
         group (on that device) or None, ``used`` a bytearray per position,
         ``proposed_order`` positions in observed order or None. Built without waiting for
@@ -65,11 +68,12 @@ class Layout:
         out = torch.zeros(self.extra_length, dtype=self.extra_dtype, device=self.extra_device)
         out[g].fill_(float(completed))
         out[g + 1].fill_(float(abandoned))
+        out[g + 2].fill_(float(refused))
         if count:
-            out[g + 2:g + 2 + count].copy_(self._to_device(list(used)), non_blocking=True)
+            out[g + 3:g + 3 + count].copy_(self._to_device(list(used)), non_blocking=True)
         if proposed_order is not None:
             # 1-based, so that 0 says "no proposal".
-            out[g + 2 + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
+            out[g + 3 + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
                                       non_blocking=True)
         if norms is not None:
             out[:g].copy_(norms)
@@ -80,17 +84,17 @@ class Layout:
         return host.pin_memory() if self.extra_device.type == "cuda" else host
 
     def read_extra(self, reduced, scale):
-        """``(norms, completed, abandoned, used, order)`` of an allreduced extra slot;
+        """``(norms, completed, abandoned, refused, used, order)`` of an allreduced extra slot;
         ``scale`` undoes what the allreduce multiplied it by (averaging over micro-steps and,
         for ``hvd.Average``, replicas) for the proposed order, rank 0's alone."""
         g, count = self.num_groups, len(self.params)
         values = reduced.double()
         norms = values[:g]
-        flags = values[g:g + 2].tolist()
-        used = (values[g + 2:g + 2 + count] > 0).tolist()
-        proposal = (values[g + 2 + count:] * scale).round().long().tolist()
+        flags = values[g:g + 3].tolist()
+        used = (values[g + 3:g + 3 + count] > 0).tolist()
+        proposal = (values[g + 3 + count:] * scale).round().long().tolist()
         order = [position - 1 for position in proposal] if count and proposal[0] > 0 else None
-        return norms, flags[0] > 0, flags[1] > 0, used, order
+        return norms, flags[0] > 0, flags[1] > 0, flags[2] > 0, used, order
 
 
 def signature(groups):

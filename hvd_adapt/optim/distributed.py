@@ -21,7 +21,9 @@ from .._runtime import collective, env
 from .._runtime.context import CONTEXT
 from ..autoscale.controller import MEASURE_EVERY, Controller
 from ..elastic.participant import Participant
+from .backward_pass import current_task
 from .exchange import Cycle, GradientExchange
+from .matching import Matching, check_unique
 from .noise import GradientNoiseScale, adam_denominators
 from .scaling_rules import ScalingRule, default_rule
 from .swap import SwappedState
@@ -32,9 +34,9 @@ log = logging.getLogger(__name__)
 class DistributedOptimizer(torch.optim.Optimizer, Participant):
     """Wrap ``optimizer``: average gradients over replicas, accumulate, scale the lr.
 
-    The loop is a plain PyTorch loop; call ``zero_grad()``, one
-    ``backward()`` and ``step()`` for every batch (sum several losses before
-    the one backward: each backward pass counts as a micro-step). Gradients are averaged over replicas by
+    The loop is a plain PyTorch loop; call ``zero_grad()``, ``backward()``
+    and ``step()`` for every batch (several backwards before a step add up as
+    in one process). Gradients are averaged over replicas by
     grouped Horovod allreduces of buckets of up to ``bucket_cap_mb`` (None:
     25 MB on GPUs, 4 MB on the CPU, see ``exchange.py``), each started
     from gradient hooks once backward has produced the whole bucket, on the
@@ -66,10 +68,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     loss scale and its scale is saved, synced and checkpointed with this
     optimizer's state. ``compression``, ``op``, ``gradient_predivide_factor``
     and ``sparse_as_dense`` mean what they mean to ``hvd.DistributedOptimizer``;
-    ``named_parameters`` (``model.named_parameters()``) lets errors name a
-    parameter. A backward pass that raises (caught) drops its accumulation
-    cycle on every rank, or, where it raised on some ranks only, makes every
-    rank raise :class:`hvd_adapt.AbandonedBackwardError` (see ``exchange.py``).
+    ``named_parameters`` (``model.named_parameters()``) names the parameters:
+    ranks match theirs by name (a group's order may differ per rank, see
+    ``matching.py``), and errors name them. Construction is a collective
+    outside elastic jobs: it checks that every rank has the same parameters
+    and gives every rank rank 0's values (as DDP does). At ``step()`` every
+    ``.grad`` no hook averaged (assigned by the user) is averaged, see
+    ``ledger.py``. A backward pass that raises (caught) drops its
+    accumulation cycle on every rank, or, where it raised on some ranks only,
+    makes every rank raise :class:`hvd_adapt.AbandonedBackwardError` (see
+    ``exchange.py``).
 
     >>> import hvd_adapt, torch
     >>> hvd_adapt.init()
@@ -107,6 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         check_bool("sparse_as_dense", sparse_as_dense)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         names = {p: name for name, p in (named_parameters or [])}
+        check_unique([group["params"] for group in optimizer.param_groups], names)
         _check_not_hooked(params, names)
         self._swap = None
         self._committed_generation = None
@@ -114,6 +123,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             # Before any hook: a swap_dir or buffer size it refuses leaves nothing behind.
             self._swap = SwappedState(optimizer, swap_dir, swap_buffer_mb)
         self.optimizer = optimizer
+        self._names = names
+        self._matching = Matching()
+        if env.size() > 1 and not env.is_elastic():
+            # An elastic job matches at its first sync instead: a worker that joins
+            # builds its optimizer while the others train.
+            self._match_ranks(broadcast=True)
         # torch's Optimizer.__init__ sets up what step hooks, profiling and
         # state_dict hooks need. The groups and the state stay the wrapped
         # optimizer's, looked up live (a load_state_dict replaces its group
@@ -136,9 +151,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         #: Prefix of this optimizer's allreduce names: one per structure of
         #: parameters, numbered among live optimizers of that structure, so the
         #: same on every rank and never another optimizer's.
-        self.exchange_name = _exchange_name(params)
+        self.exchange_name = _exchange_name([p for group in self._matched_groups()
+                                             for p in group])
         self._exchange = GradientExchange(
-            lambda: [group["params"] for group in self.optimizer.param_groups],
+            self._matched_groups,
             self._plan_cycle, self._denominators, compression or hvd.Compression.none, op,
             gradient_predivide_factor, bucket_cap_mb, self.exchange_name,
             sparse_as_dense=sparse_as_dense, names=names)
@@ -152,6 +168,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             weakref.finalize(self, self._swap.close)
         # Its step makes collectives: a State must carry it.
         CONTEXT.collective_objects.add(self)
+
+    def _matched_groups(self):
+        # The groups' parameters in rank 0's order: buckets match across ranks.
+        return [self._matching.order(group["params"]) for group in self.optimizer.param_groups]
+
+    def _match_ranks(self, broadcast):
+        groups = [group["params"] for group in self.optimizer.param_groups]
+        self._matching.agree(groups, self._names)
+        if broadcast:
+            # As DDP does: step 0 starts from rank 0's weights, however ranks were seeded.
+            params = [p for group in self._matched_groups() for p in group]
+            collective.broadcast_tensors([(f"hvd_adapt.init.{i}", _bitwise(p.data))
+                                          for i, p in enumerate(params)], root_rank=0)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
     @property
@@ -185,6 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             return
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        check_unique([group["params"] for group in self.param_groups] + [params], self._names)
         _check_not_hooked(params, {})
         self.optimizer.add_param_group(param_group)
         self.gns.add_group()
@@ -273,8 +303,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     def synchronize(self):
         """Wait for the gradient allreduces; afterwards every rank holds the averaged
         gradients. They are waited for at the end of backward already, so this only
-        matters for code that reads gradients from inside the backward pass."""
+        matters for code that reads gradients from inside the backward pass, and where
+        ``.grad`` was assigned since (PCGrad, gradient surgery): those are averaged here
+        (see ``ledger.py``), as ``step()`` does when not in :meth:`skip_synchronize`.
+        Outside backward it is a collective, like ``step()``."""
         self._exchange.synchronize()
+        if current_task() == -1 and not self._exchange.cycle_open:
+            self._exchange.reconcile()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -304,6 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             return None
         if not self._skip_sync:
             self._exchange.synchronize()
+            self._exchange.reconcile()
         if not self._synced and env.size() > 1:
             self._sync_forgotten()
         finished = self._exchange.take_finished()
@@ -389,7 +425,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                         "parameters and optimizer state are broadcast from rank 0 now. Wrap the "
                         "training function in @hvd_adapt.run (or call state.sync()) so that the "
                         "model's buffers and every other value are synced too", env.size())
-        params = [p.data for group in self.param_groups for p in group["params"]]
+        params = [_bitwise(p.data) for group in self._matched_groups() for p in group]
         collective.broadcast_tensors([(f"hvd_adapt.unsynced.{i}", p)
                                       for i, p in enumerate(params)], root_rank=0)
         self.sync_from_root()
@@ -397,7 +433,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     # -- elastic state -----------------------------------------------------------------
     def sync_from_root(self):
         """Collective: adopt rank 0's optimizer state, noise scale, GradScaler state and
-        bucket layout; drop accumulated gradients. State on disk travels a chunk at a time."""
+        bucket layout; drop accumulated gradients. State on disk travels a chunk at a time.
+        Parameters are matched to rank 0's by name first (see ``matching.py``)."""
+        self._match_ranks(broadcast=False)
         collective.broadcast_optimizer_state(self.optimizer)
         self._load_extra_state(collective.broadcast_object(self._extra_state(),
                                                            name="hvd_adapt.sync.optimizer"))
@@ -493,6 +531,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()
+
+
+def _bitwise(tensor):
+    """A view of ``tensor`` that Horovod broadcasts: a copy of bits needs no arithmetic, so
+    bfloat16 goes as int16 and complex as its real view (Horovod takes neither)."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor)
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16)
+    return tensor
 
 
 def _exchange_name(params):

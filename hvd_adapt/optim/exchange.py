@@ -17,6 +17,25 @@ gradients are waited for at the end of the pass (as DDP does), so when
 rank that then skips ``step()`` leaves no collective behind. A parameter
 that no rank used in a cycle keeps ``grad=None`` (a weight-decayed optimizer
 leaves it alone); one that some ranks used averages with zeros elsewhere.
+"Used" is read from ``.grad`` at the pass's end: a gradient from an earlier
+pass of the cycle, or a zeroed one (``set_to_none=False``), counts, as it
+does for one process.
+
+A bucket is ready when the pass that owns it says so: the first cycle of a
+layout sends every bucket at the end of its pass and watches; a parameter
+whose gradient came from a nested task (reentrant checkpointing) or twice in
+one pass is then held to the end of the outermost pass, after its last
+contribution. One that gets a gradient again after its bucket was sent
+anyway makes every rank refuse the cycle, naming it.
+
+Several backwards before a step add up as in one process. A pass into
+gradients already averaged (a second loss, hand-written accumulation)
+averages again: each rank holds the same average plus its own new share, so
+the new average adds that share's average once; after a loader's cycle of
+``k`` micro-batches, a pre-hook on each parameter's AccumulateGrad node
+first scales a later pass's gradient by ``1/k``. Between the micro-steps of a
+loader's cycle ``ledger.py`` keeps each local sum: ``model.zero_grad()`` is
+undone, a change in place refused on every rank.
 
 A pass is one ``.backward()`` (``backward_pass.py``): nested reentrant
 backwards and ``torch.autograd.grad`` open nothing. A pass that raised is
@@ -48,6 +67,7 @@ from horovod.common.exceptions import HorovodInternalError
 from .backward_pass import PassTracker, current_task
 from .._runtime.collective import in_place_view
 from .buckets import Layout, cap_bytes_for, signature
+from .ledger import Ledger
 from .noise import sqnorm, total_sqnorm
 
 log = logging.getLogger(__name__)
@@ -60,12 +80,14 @@ class Cycle:
     ``measure``: take the squared norms the noise scale needs (of every
     micro-batch's gradient, and of the cycle's mean). ``position``: how many
     batches of the cycle came before this one (the loader's count: a pass with
-    fewer finished before it had one raise before any gradient came).
+    fewer finished before it had one raise before any gradient came). ``extra``: a
+    further backward after the cycle was averaged, before its step.
     """
 
-    def __init__(self, last, measure, replicas, position=0):
+    def __init__(self, last, measure, replicas, position=0, extra=False):
         self.last, self.measure, self.replicas = last, measure, replicas
         self.position = position
+        self.extra = extra
 
 
 class Measurement:
@@ -119,9 +141,13 @@ class GradientExchange:
         self._version = 0           # the layout's checksum: part of the allreduces' names
         self._rebuilt = False       # the layout follows an observed gradient order
         self._hooked = {}           # id(param) -> hook handle
-        self._late = []             # positions hooked during the pass under way
         self._micro_hooks = []
-        self._finalizer = weakref.finalize(self, _remove_all, self._hooked, self._micro_hooks)
+        self._extra_hooks = []      # scale a finished cycle's later passes (see _open)
+        self._deferred = set()      # positions whose hook fired nested or twice in a pass
+        self._nodes = None
+        self.ledger = Ledger()
+        self._finalizer = weakref.finalize(self, _remove_all, self._hooked, self._micro_hooks,
+                                           self._extra_hooks)
         self._reset_cycle()
         self.finished = None
         self.hook(p for group in groups() for p in group)
@@ -153,6 +179,9 @@ class GradientExchange:
         self._handles = {}
         self._ready = None
         self._observed = None       # positions in the order their gradients came, if watched
+        self._seen = None           # bytearray per position: its hook fired in this pass
+        self._tampered = []         # positions whose earlier micro-steps were lost
+        self._raced = []            # positions accumulated into after their bucket was sent
         self._remove_micro_hooks()
 
     @property
@@ -164,11 +193,14 @@ class GradientExchange:
         """Forget the cycle (after a reset: handles of the old world are dead)."""
         self._tracker.take_stale()
         self._reset_cycle()
-        self.finished = None
+        self.take_finished()
 
     def take_finished(self):
-        """The :class:`Finished` of the last cycle, or None; cleared by the call."""
+        """The :class:`Finished` of the last cycle, or None; cleared by the call, which also
+        starts the ledger's next cycle."""
         finished, self.finished = self.finished, None
+        self.ledger.forget()
+        _remove(self._extra_hooks)
         return finished
 
     # -- the layout ------------------------------------------------------------------------
@@ -205,10 +237,12 @@ class GradientExchange:
         # ranks with the same buckets send the same names, whatever their history.
         self._version = zlib.crc32(repr(self._layout.buckets).encode())
         self._rebuilt = False
-        newly = self.hook(p for group in groups for p in group)
-        # Parameters made trainable inside the pass under way: their gradients may
-        # have come before their hooks, so their use is read from .grad at its end.
-        self._late = [self._layout.position[id(p)] for p in newly]
+        self._deferred = set()
+        self._nodes = None          # each parameter's AccumulateGrad node, once needed
+        self.ledger.forget()
+        # Parameters made trainable inside the pass under way may have had their
+        # gradients before their hooks: their use is read from .grad at its end.
+        self.hook(p for group in groups for p in group)
 
     # -- a pass ------------------------------------------------------------------------------
     def _on_accumulated(self, param):
@@ -216,7 +250,7 @@ class GradientExchange:
         if stale is not None:
             self._abandon(stale)
         if current.plan is None:
-            self._open(current)
+            self._open(current, param)
         layout = self._layout
         pos = layout.position.get(id(param))
         if pos is None:
@@ -228,25 +262,52 @@ class GradientExchange:
                 self._pending.append(pos)
             else:
                 self._add_stashed(pos)
+        if self._seen[pos]:
+            # A second contribution in one pass (a weight shared by reentrant
+            # checkpointed blocks): only the pass's end knows the last one.
+            self._deferred.add(pos)
+            if layout.bucket_of[pos] in self._handles:
+                self._raced.append(pos)
+            return
+        self._seen[pos] = 1
         if self._observed is not None:
             self._observed.append(pos)
-        if plan.last and plan.replicas > 1:
+        # Buckets go early only once the layout follows an observed order: the
+        # first cycle watches which gradients come nested or twice.
+        if plan.last and plan.replicas > 1 and self._rebuilt:
+            if current_task() != current.root:
+                self._deferred.add(pos)
+            if pos in self._deferred:
+                return
             index = layout.bucket_of[pos]
             self._ready[index] += 1
             if self._ready[index] == layout.bucket_size[index] \
                     and index != len(layout.buckets) - 1:
                 self._submit(index, plan.position + 1)
 
-    def _open(self, current):
+    def _open(self, current, param):
+        plan = self._plan()
+        finished = self.finished
         if self._micro == 0 and not self._tainted:
             layout = self._current_layout()
             self._used = bytearray(len(layout.params))
+            if finished is not None and not finished.skip and plan.last \
+                    and plan.position == finished.cycle.position:
+                # Another backward after the cycle was averaged, before step():
+                # .grad holds the average (the same on every rank) plus this pass's
+                # gradient (scaled by _scale_later_passes), so averaging it again
+                # adds this pass's average exactly once.
+                plan = Cycle(True, False, plan.replicas, 0, extra=True)
         elif self._layout.signature != signature(self._groups()):
             raise RuntimeError(
                 "the set of trainable parameters (requires_grad) changed inside an "
                 "accumulation cycle: change it between optimizer steps, on every rank alike")
-        current.plan = self._plan()
-        if current.plan.last and current.plan.replicas > 1:
+        else:
+            self._tampered += self.ledger.put_back(
+                self._layout.params, self._layout.position.get(id(param)))
+        current.plan = plan
+        self._seen = bytearray(len(self._layout.params))
+        if plan.last and plan.replicas > 1:
             self._ready = [0] * len(self._layout.buckets)
             if not self._rebuilt:
                 self._observed = []
@@ -255,21 +316,23 @@ class GradientExchange:
         if ended.plan is None:
             return
         plan = ended.plan
-        for pos in self._late:
-            if self._layout.params[pos].grad is not None:
-                self._used[pos] = 1
-        self._late = []
         if plan.measure and self._micro == 0:
             self._measure_pending()
-        if plan.position != self._micro:
-            # A backward of this cycle raised before any gradient came (or was
-            # never run): this rank's average would be over other micro-steps.
-            self._tainted = True
         if not plan.last:
-            self._micro += 1
-            if plan.measure and self._micro == 1 and not self._tainted:
+            if plan.position == self._micro:
+                self._micro += 1
+            elif plan.position != self._micro - 1:
+                # A backward of this cycle raised before any gradient came (or was
+                # never run): this rank's average would be over other micro-steps.
+                # (Several passes over one batch are one micro-step.)
+                self._tainted = True
+            self.ledger.keep_local(self._layout.params)
+            if plan.measure and self._micro == 1 and not self._tainted \
+                    and not self._micro_hooks:
                 self._install_micro_hooks()
             return
+        if plan.position != self._micro:
+            self._tainted = True
         self._finish_cycle(plan, completed=not self._tainted)
 
     def _finish_cycle(self, plan, completed):
@@ -281,21 +344,34 @@ class GradientExchange:
         if norms is None and plan.measure and completed:
             norms = torch.zeros(layout.num_groups, dtype=torch.float64,
                                 device=layout.extra_device)
+        # Used: a gradient from any pass of the cycle (or the user's), as one
+        # process would have it; a zeroed one (set_to_none=False) is used too.
+        for pos, p in enumerate(layout.params):
+            if p.grad is not None:
+                self._used[pos] = 1
+        refused = self._refused_here()
         started = time.perf_counter()
         skip, local = not completed, None
         if plan.replicas > 1:
-            proposal = self._observed if self._observed is not None and \
-                len(self._observed) == len(layout.params) and self._is_rank0() else None
+            proposal = None
+            if self._observed is not None and self._is_rank0():
+                seen = set(self._observed)
+                proposal = self._observed + [pos for pos in range(len(layout.params) - 1, -1, -1)
+                                             if pos not in seen]
             extra = layout.extra(norms if completed else None, completed, not completed,
-                                 self._used, proposal)
+                                 self._used, proposal, refused is not None)
             for index in range(len(layout.buckets)):
                 if index not in self._handles:
                     self._submit(index, micro, extra if index == len(layout.buckets) - 1
                                  else None)
             carried = self._synchronize()
             scale = micro * (hvd.size() if self._op == hvd.Average else 1)
-            reduced_norms, anyone_completed, anyone_abandoned, used, order = \
+            reduced_norms, anyone_completed, anyone_abandoned, anyone_refused, used, order = \
                 layout.read_extra(carried, scale)
+            if anyone_refused:
+                self._reset_cycle()
+                raise RuntimeError(refused or "another rank refused this accumulation cycle "
+                                   "(its error names the parameter and the cause)")
             if anyone_abandoned and anyone_completed:
                 self._reset_cycle()
                 raise AbandonedBackwardError(
@@ -313,10 +389,14 @@ class GradientExchange:
             if order is not None:
                 self._rebuild_after(order)
             self._observed = None
-        elif micro > 1 and completed:
-            grads = [p.grad for p in layout.params if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, micro)
+        else:
+            if refused is not None:
+                self._reset_cycle()
+                raise RuntimeError(refused)
+            if micro > 1 and completed:
+                grads = [p.grad for p in layout.params if p.grad is not None]
+                if grads:
+                    torch._foreach_div_(grads, micro)
         if plan.replicas == 1 and norms is not None:
             local = norms / micro
         sync_seconds = time.perf_counter() - started
@@ -329,13 +409,62 @@ class GradientExchange:
             for p in layout.params:
                 p.grad = None
         self._reset_cycle()
-        self.finished = Finished(plan, stats, sync_seconds, skip)
+        previous = self.finished
+        if plan.extra and previous is not None:
+            # A later pass of a finished cycle: the cycle (and its measurement) is the
+            # first pass's.
+            self.finished = Finished(previous.cycle, previous.stats,
+                                     previous.sync_seconds + sync_seconds, skip)
+        else:
+            self.finished = Finished(plan, stats, sync_seconds, skip)
+            if micro > 1 and not skip:
+                self._scale_later_passes(micro)
+
+    def _refused_here(self):
+        """The error this rank has for the cycle (the parameter and the cause), or None."""
+        names = self._names
+        params = self._layout.params
+        if self._tampered:
+            p = params[self._tampered[0]]
+            return (f"the gradient of parameter {names.get(p, tuple(p.shape))} was changed in "
+                    "place between the micro-steps of an accumulation cycle "
+                    "(model.zero_grad(set_to_none=False)?), so the cycle's earlier "
+                    "micro-batches are lost: clear gradients with the hvd_adapt optimizer's "
+                    "zero_grad(), which keeps them until the cycle's step")
+        if self._raced:
+            p = params[self._raced[0]]
+            return (f"parameter {names.get(p, tuple(p.shape))} got a gradient again in one "
+                    "backward pass after its bucket was sent (a weight shared by reentrant "
+                    "checkpointed blocks that the first cycle did not show): it is averaged at "
+                    "the end of the pass from now on; this cycle is refused")
+        return None
+
+    def _scale_later_passes(self, micro):
+        # A further backward into this cycle's averages (two losses on the batch
+        # that ends a loader's cycle) must add 1/micro of its gradient, as each
+        # micro-batch's was: a pre-hook on each parameter's AccumulateGrad node
+        # (which runs for .backward() only, never for autograd.grad) scales it.
+        # Removed when the cycle is stepped or dropped.
+        if self._nodes is None:
+            # Kept, as DDP keeps them: a parameter's node lives as long as someone
+            # holds it, and a hook as long as its node. (Grad mode is off where a
+            # pass ends.)
+            with torch.enable_grad():
+                self._nodes = [p.view_as(p).grad_fn.next_functions[0][0]
+                               for p in self._layout.params]
+        for node in self._nodes:
+            self._extra_hooks.append((node, node.register_prehook(
+                lambda grads, micro=micro: tuple(None if g is None else g / micro
+                                                 for g in grads))))
 
     def _rebuild_after(self, order):
         # Every rank got rank 0's observed order through the same allreduce:
         # all rebuild alike, once, before the next cycle.
         if order != self._layout.order:
+            # Positions stay (only the buckets change): what the cycle learned holds.
+            deferred = self._deferred
             self._build(order)
+            self._deferred = deferred
         self._rebuilt = True
 
     def _is_rank0(self):
@@ -368,11 +497,14 @@ class GradientExchange:
     # -- allreduces ----------------------------------------------------------------------------
     def _submit(self, index, micro, extra=None):
         """Average bucket ``index`` over ``micro`` micro-steps and the replicas."""
-        layout = self._layout
-        positions = layout.buckets[index]
+        positions = self._layout.buckets[index]
         if self._pending:
             self._measure_pending(positions)
-        grads = []
+        self._start(index, positions, micro, extra, f"{self.name}.{self._version}.{index}")
+
+    def _start(self, key, positions, micro, extra, name):
+        layout = self._layout
+        sent = []
         for pos in positions:
             p = layout.params[pos]
             if p.grad is None:
@@ -381,24 +513,60 @@ class GradientExchange:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
                 self._densify(p)
-            grads.append(p.grad)
+            grad = p.grad
+            target = torch.view_as_real(grad) if grad.is_complex() else grad
+            if grad.dtype == torch.bfloat16:
+                # Horovod's CPU operations take no bfloat16; float32 loses nothing.
+                tensor, copied = grad.float(), True
+            else:
+                tensor, copied = in_place_view(target)
+            compressed, ctx = self._compression.compress(tensor)
+            sent.append((pos, grad, target, tensor, copied, compressed, ctx))
         prescale = 1.0 / micro
         postscale = 1.0
         if self._op == hvd.Average:
             # As Horovod splits the average: the backend divides by size() after this.
             prescale /= self._predivide
             postscale = self._predivide
-        sent = []
-        for grad in grads:
-            tensor, copied = in_place_view(grad)
-            compressed, ctx = self._compression.compress(tensor)
-            sent.append((grad, tensor, copied, compressed, ctx))
-        tensors = [entry[3] for entry in sent] + ([] if extra is None else [extra])
-        with self._naming_the_cause(index):
+        tensors = [entry[5] for entry in sent] + ([] if extra is None else [extra])
+        with self._naming_the_cause(key):
             handle = hvd.grouped_allreduce_async_(
-                tensors, name=f"{self.name}.{self._version}.{index}", op=self._op,
-                prescale_factor=prescale, postscale_factor=postscale)
-        self._handles[index] = (handle, sent, extra is not None)
+                tensors, name=name, op=self._op, prescale_factor=prescale,
+                postscale_factor=postscale)
+        self._handles[key] = (handle, sent, extra is not None)
+
+    def reconcile(self):
+        """Call it at ``step()`` and ``synchronize()``, outside a cycle's micro-steps: average
+        every ``.grad`` that no allreduce of this cycle averaged (a gradient the user
+        assigned, one from a pass whose hooks never finished), as Horovod's
+        ``synchronize()`` does. Which parameters go is agreed first by a bitmask over every
+        rank, so the allreduce's members never depend on one rank's state; parameters no
+        rank has a gradient for stay None.
+
+        A collective, except where this cycle's hooks averaged every gradient this rank
+        holds: every rank took part in that cycle's allreduces, so a rank that then skips
+        ``step()`` for its own reason still leaves no one waiting. Ranks must agree on
+        assigning gradients after backward (SPMD code does): one that assigns alone
+        waits here for the others, and Horovod's stall inspector names this tensor."""
+        if hvd.size() == 1:
+            return
+        layout = self._current_layout()
+        pending = self.ledger.unaveraged(layout.params)
+        if not pending and self.finished is not None:
+            return
+        flags = torch.zeros(len(layout.params), dtype=torch.int32)
+        if pending:
+            flags[pending] = 1
+        # A host tensor: the decision reads it without waiting for the device.
+        with self._naming_the_cause("ledger"):
+            agreed = hvd.allreduce(flags, op=hvd.Sum,
+                                   name=f"{self.name}.{self._version}.ledger")
+        members = agreed.nonzero().flatten().tolist()
+        if not members:
+            return
+        self._start("ledger", members, 1, None,
+                    f"{self.name}.{self._version}.ledger.{zlib.crc32(repr(members).encode())}")
+        self._synchronize()
 
     def _densify(self, p):
         if not self._sparse_as_dense:
@@ -421,11 +589,12 @@ class GradientExchange:
                 outputs = hvd.synchronize(handle)
             if carries_extra:
                 carried = outputs[-1]
-            for (grad, tensor, copied, _, ctx), output in zip(sent, outputs):
+            for (pos, grad, target, tensor, copied, _, ctx), output in zip(sent, outputs):
                 if output is not tensor or ctx is not None:
                     tensor.copy_(self._compression.decompress(output, ctx))
                 if copied:
-                    grad.copy_(tensor)
+                    target.copy_(tensor)
+                self.ledger.record_averaged(pos, grad)
         return carried
 
     @contextlib.contextmanager
@@ -518,8 +687,15 @@ def _call(ref, method, *args):
         getattr(exchange, method)(*args)
 
 
-def _remove_all(hooked, micro_hooks):
+def _remove(node_hooks):
+    for _, handle in node_hooks:
+        handle.remove()
+    node_hooks.clear()
+
+
+def _remove_all(hooked, micro_hooks, extra_hooks):
     for handle in list(hooked.values()) + list(micro_hooks):
         handle.remove()
     hooked.clear()
     micro_hooks.clear()
+    _remove(extra_hooks)
