@@ -114,14 +114,26 @@ class ParticipantHandler(StateDictHandler):
 
 
 class ModelHandler(StateDictHandler):
-    """A torch module: parameters and buffers broadcast from rank 0 as tensors."""
+    """A torch module: parameters and buffers broadcast from rank 0 as tensors; with
+    ``buffers_name`` set (the State's ``broadcast_buffers``), its buffers also at every
+    commit, as DDP's ``broadcast_buffers`` does at every forward: BatchNorm's running
+    statistics, computed from each replica's own shard, would otherwise drift apart."""
 
     light = False
+    #: The collective names' prefix of the buffers broadcast at each commit; None: none are.
+    buffers_name = None
 
     def sync(self):
         collective.broadcast_tensors(
             [(f"hvd_adapt.model.{name}", t) for name, t in self.value.state_dict().items()
              if torch.is_tensor(t)], root_rank=0)
+
+    def align(self):
+        """Collective at a commit: take rank 0's buffers, where ``buffers_name`` says so."""
+        if self.buffers_name is not None:
+            collective.broadcast_tensors(
+                [(f"{self.buffers_name}.{name}", t) for name, t in self.value.named_buffers()],
+                root_rank=0)
 
 
 class TorchOptimizerHandler(StateDictHandler):

@@ -27,6 +27,7 @@ import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.torch.elastic.state import TorchState
 
+from .._checks import check_bool
 from .._runtime import collective, env
 from .._runtime import horovod_internals as internals
 from .._runtime.context import CONTEXT
@@ -35,7 +36,7 @@ from ..accumulator import Accumulator, flush
 from . import agreement, checkpoint
 from .drain import Drain
 from .epoch import EpochCounter
-from .handlers import handler_for, snapshot
+from .handlers import ModelHandler, handler_for, snapshot
 from .participant import Participant
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,11 @@ class State(TorchState):
     schedulers and any plain values by name; read them back as attributes.
     ``snapshot_to_host`` (default: True where CUDA is available) keeps each
     commit's copy of GPU tensors in page-locked host memory instead of a
-    second copy on the GPU.
+    second copy on the GPU. ``broadcast_buffers`` (default True, as in DDP):
+    every commit gives each model's buffers (BatchNorm's running statistics)
+    rank 0's values, so replicas evaluate and checkpoint alike; use
+    ``hvd.SyncBatchNorm`` where statistics over the whole batch matter, and
+    False to keep each replica's own.
     Everything whose state must be the same on every replica belongs here:
     a worker that joins a job receives only what the State carries, and
     hvd_adapt refuses to run (on every rank, with an error naming it) when a
@@ -75,7 +80,8 @@ class State(TorchState):
     else the first loader given.
     """
 
-    def __init__(self, model=None, optimizer=None, snapshot_to_host=None, **kwargs):
+    def __init__(self, model=None, optimizer=None, snapshot_to_host=None, broadcast_buffers=True,
+                 **kwargs):
         for name in _RESERVED:
             if name in kwargs:
                 raise ValueError(f"State reserves the name {name!r} for its epoch counter; "
@@ -90,9 +96,12 @@ class State(TorchState):
                 del kwargs[name]
         if snapshot_to_host is None:
             snapshot_to_host = torch.cuda.is_available()
-        for handler in ours.values():
+        check_bool("broadcast_buffers", broadcast_buffers)
+        for name, handler in ours.items():
             # Commits of GPU tensors to page-locked host memory, not a second GPU copy.
             handler.to_host = bool(snapshot_to_host)
+            if broadcast_buffers and isinstance(handler, ModelHandler):
+                handler.buffers_name = f"hvd_adapt.buffers.{name}"
             handler.save()
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
@@ -170,6 +179,9 @@ class State(TorchState):
             return
         if self._accumulators:
             flush(self._accumulators)
+        for handler in internals.handlers(self).values():
+            if isinstance(handler, ModelHandler):
+                handler.align()
         self.epochs.commits += 1
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
