@@ -5,6 +5,9 @@ import tempfile
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# tests/cluster's helpers (the namespace cluster): a conftest.py of its own there would clash
+# with this one (pytest imports both as the module "conftest"), so its fixtures live here.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster"))
 
 # Worker scripts run a job when imported: --doctest-modules must not import them.
 collect_ignore_glob = ["distributed/workers/*.py", "hvdrun_fast_discovery.py"]
@@ -18,3 +21,22 @@ def job_directories_under_pytests_temp(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tempfile, "tempdir", str(tmp_path_factory.getbasetemp()))
         yield
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    """The namespace cluster (tests/cluster/bed.py): 3 hosts, one per test module."""
+    import bed as cluster
+    reason = cluster.missing()
+    if reason:
+        pytest.skip(reason)
+    with cluster.Bed(3, ssh_options=cluster.KEEPALIVE,
+                     root=str(tmp_path_factory.mktemp("bed"))) as made:
+        yield made
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    """A folder on the cluster's shared file system for one job's script, logs and
+    checkpoints (every host reads and writes it as root; pytest's 0700 is fine)."""
+    return str(tmp_path)
