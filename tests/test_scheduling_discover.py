@@ -297,6 +297,24 @@ def test_hints_of_another_user_do_not_steer_the_job(tmp_path, shared_tmp):
         read_hints(hints)
 
 
+def test_a_fifo_in_place_of_the_hints_keeps_the_hosts_instead_of_hanging(tmp_path):
+    # Anyone may mkfifo in a shared folder, before the job first writes its hints there;
+    # opening a FIFO waits for a writer, so discovery (every second) hung on its open.
+    run = Discovery(tmp_path, ["a", "b"], "--initial-np", "1", hints=True)
+    assert run() == [("a", 1)]
+    os.mkfifo(run.hints)
+    command = [sys.executable, "-m", "hvd_adapt.scheduling.discover", "--hostfile",
+               str(run.hostfile), "--ssh-port", "0", "--hold", "0", "--state",
+               str(tmp_path / "state.json"), "--hints", run.hints]
+    # The timeout only bounds a hang: the answer comes in milliseconds.
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "a:1\n", out.stderr
+    assert "not a regular file" in out.stderr and "keeping the current hosts" in out.stderr
+    # In this process only once the bounded run above showed it does not hang.
+    with pytest.raises(HintsError, match="is not a regular file"):
+        read_hints(run.hints)
+
+
 def test_host_names_that_are_not_names_never_reach_horovod(tmp_path):
     # Horovod 0.28.1 puts host names unquoted into its ssh command line.
     (tmp_path / "hosts").write_text("-oProxyCommand=touch${IFS}/tmp/owned\nhost;id\n$(id)\n"

@@ -127,12 +127,15 @@ def write_file_atomically(path, data, mode=0o600, durable=False):
 def open_own_file(path, others_may_write=False):
     """Open ``path`` for reading without following a symlink, and check with ``fstat`` (on
     the very file opened) that it is a regular file of ours. Returns a binary file object."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # O_NONBLOCK: opening a FIFO planted at path (anyone may mkfifo in a shared folder)
+    # would otherwise wait for a writer forever, before the checks could refuse it.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path} is not a regular file: refusing to read it")
         check_owned(st, path, others_may_write=others_may_write)
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
