@@ -2,6 +2,8 @@
 generations that an older write can never replace."""
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -120,6 +122,27 @@ def test_the_last_two_generations_are_kept_and_a_damaged_newest_falls_back(tmp_p
     os.remove(path)
     write(previous, 2, "gen 2")
     assert checkpoint.newest_good(path) == (previous, 2)
+
+
+def test_a_fifo_planted_at_the_newest_name_falls_back_instead_of_hanging(tmp_path):
+    # Anyone may mkfifo in a shared folder; opening one waits for a writer, so a load or a
+    # save (both read the generation at path) hung on every rank. Checked in a child first,
+    # so that a hang fails the test instead of stopping the run.
+    path = str(tmp_path / "job.pt")
+    assert write(path, 1, "gen 1") and write(path, 2, "gen 2")
+    os.remove(path)
+    os.mkfifo(path)
+    probe = ("import sys; from hvd_adapt.elastic import checkpoint; "
+             "print(checkpoint.read_newest(sys.argv[1], [])['value'])")
+    out = subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True,
+                         timeout=120)       # bounds a hang only: the answer takes seconds
+    assert out.returncode == 0 and out.stdout == "gen 1\n", out.stderr
+    with pytest.raises(checkpoint.CheckpointError, match="is not a regular file"):
+        checkpoint.generation_of(path)
+    # The next save replaces the FIFO; the good previous generation stays.
+    assert write(path, 3, "gen 3")
+    assert checkpoint.generation_of(path) == 3
+    assert checkpoint.generation_of(checkpoint.previous_path(path)) == 1
 
 
 def test_a_link_planted_at_the_previous_name_is_replaced_not_followed(tmp_path):

@@ -266,7 +266,8 @@ def generation_of(path):
     if not os.path.exists(path):
         return None
     try:
-        with zipfile.ZipFile(path) as archive:
+        # A FIFO planted at path would hang a plain open (and every rank with it).
+        with private_files.open_regular_file(path) as file, zipfile.ZipFile(file) as archive:
             record = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
             with archive.open(record) as f:
                 payload = _SkeletonUnpickler(f).load()
