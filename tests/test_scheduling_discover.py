@@ -217,6 +217,13 @@ def test_console_script_prints_host_lines_and_loads_no_torch(tmp_path):
     (["--hostfile", "x", "--ssh-port", "70000"], r"--ssh-port must be in \[0, 65535\]"),
     (["--hostfile", "x", "--command", "y"], "not allowed with argument"),
     (["--hostfile", "x", "--hold", "-1"], "--hold must be >= 0, got -1.0"),
+    (["--hostfile", "x", "--stale-after", "nan"], "--stale-after must be >= 0, got nan"),
+    (["--command", "x", "--command-timeout", "nan"],
+     "--command-timeout must be a finite number > 0, got nan"),
+    (["--command", "x", "--command-timeout", "0"],
+     "--command-timeout must be a finite number > 0, got 0.0"),
+    (["--hostfile", "x", "--probe-timeout", "inf"],
+     "--probe-timeout must be a finite number > 0, got inf"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
