@@ -255,6 +255,18 @@ def test_a_supervisor_refuses_folders_others_may_write(tmp_path, shared_tmp):
     assert f"{runtime} belongs to uid {OTHER_UID}" in out.stderr, out.stderr
 
 
+def test_a_socket_address_too_long_is_a_clear_error_before_the_boot(tmp_path):
+    # A deep TMPDIR (no XDG_RUNTIME_DIR) makes the socket's path longer than AF_UNIX takes.
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    out = subprocess.run(WORKER + ["--standby", "--standby-dir", str(tmp_path), "--host", "h",
+                                   "--", sys.executable, "-c", "print('ran')"],
+                         capture_output=True, text=True, timeout=60, env=dict(env, TMPDIR=deep))
+    assert out.returncode == 2 and "ran" not in out.stdout, out.stderr
+    assert "cannot bind its socket" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def fake_standby(folder, command, pid):
     """A fake standby in ``folder``: a ready file for ``command`` naming ``pid``, and the
     listening socket it names (returned with its address)."""
