@@ -311,7 +311,16 @@ class Supervisor:
 
     def _serve(self, connection, child_socket):
         connection.settimeout(None)
-        message, fds = _recv(connection, max_fds=3)
+        try:
+            message, fds = _recv(connection, max_fds=3)
+        except (EOFError, OSError, ValueError) as e:
+            # The stub died between its connect and its hand-over (Horovod killed the
+            # slot): there is no slot to serve, and the script must not outlive it.
+            log.error("standby: the launch stub went away before it handed over its slot "
+                      "(%s); stopping the script", e)
+            self.child.kill()
+            self.child.wait()
+            return 1
         self.serving = True
         _send(child_socket, message, fds)
         for fd in fds:
