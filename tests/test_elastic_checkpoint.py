@@ -1,7 +1,11 @@
 """Checkpoint files (hvd_adapt/elastic/checkpoint.py): private temporary files, fsyncs, and
 generations that an older write can never replace."""
+import datetime
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -120,6 +124,42 @@ def test_the_last_two_generations_are_kept_and_a_damaged_newest_falls_back(tmp_p
     os.remove(path)
     write(previous, 2, "gen 2")
     assert checkpoint.newest_good(path) == (previous, 2)
+
+
+def test_a_fifo_planted_at_either_name_is_a_damaged_file_not_a_hang(tmp_path):
+    # Anyone may mkfifo in a shared folder; opening one waits for a writer, so a load or a
+    # save (both read the generation at path) hung on every rank, as did a load falling back
+    # to a FIFO at path.previous. Checked in a child first, so that a hang fails the test
+    # instead of stopping the run.
+    fifo_newest, fifo_previous = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    assert write(fifo_newest, 1, "gen 1") and write(fifo_newest, 2, "gen 2")
+    os.remove(fifo_newest)
+    os.mkfifo(fifo_newest)
+    # b.pt's newest refused only on the full load (a planted pickle naming a class), its
+    # previous a FIFO.
+    assert write(fifo_previous, 1, "gen 1") and write(fifo_previous, 2, datetime.date.today())
+    os.remove(checkpoint.previous_path(fifo_previous))
+    os.mkfifo(checkpoint.previous_path(fifo_previous))
+    probe = textwrap.dedent("""
+        import sys
+        from hvd_adapt.elastic import checkpoint
+        print(checkpoint.read_newest(sys.argv[1], [])["value"])
+        try:
+            checkpoint.read_newest(sys.argv[2], [])
+        except checkpoint.CheckpointError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe, fifo_newest, fifo_previous],
+                         capture_output=True, text=True, timeout=120)   # bounds a hang only
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "gen 1", out.stdout
+    assert "b.pt.previous is not a regular file" in out.stdout, out.stdout
+    with pytest.raises(checkpoint.CheckpointError, match="is not a regular file"):
+        checkpoint.generation_of(fifo_newest)
+    # The next save replaces the FIFO; the good previous generation stays.
+    assert write(fifo_newest, 3, "gen 3")
+    assert checkpoint.generation_of(fifo_newest) == 3
+    assert checkpoint.generation_of(checkpoint.previous_path(fifo_newest)) == 1
 
 
 def test_a_link_planted_at_the_previous_name_is_replaced_not_followed(tmp_path):

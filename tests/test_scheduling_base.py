@@ -30,6 +30,11 @@ def test_names_that_are_not_host_names_are_dropped_and_named(name):
     assert hosts == [("good", 1)] and len(problems) == 1 and "line 2" in problems[0]
 
 
+def test_a_name_with_a_trailing_newline_is_not_a_host_name():
+    # valid_host also checks the hosts of a state file, which no line split has cut.
+    assert not valid_host("a\n") and not valid_host("node-1.svc\n")
+
+
 @pytest.mark.parametrize("name", ["a", "node-1", "pod-0.svc.cluster.local", "10.0.0.1",
                                   "127.0.0.1", "A1", "1a", "x" * 63, "fqdn.example."])
 def test_host_names_and_addresses_pass(name):

@@ -241,6 +241,13 @@ def test_console_script_prints_host_lines_and_loads_no_torch(tmp_path):
     (["--hostfile", "x", "--ssh-port", "70000"], r"--ssh-port must be in \[0, 65535\]"),
     (["--hostfile", "x", "--command", "y"], "not allowed with argument"),
     (["--hostfile", "x", "--hold", "-1"], "--hold must be >= 0, got -1.0"),
+    (["--hostfile", "x", "--stale-after", "nan"], "--stale-after must be >= 0, got nan"),
+    (["--command", "x", "--command-timeout", "nan"],
+     "--command-timeout must be a finite number > 0, got nan"),
+    (["--command", "x", "--command-timeout", "0"],
+     "--command-timeout must be a finite number > 0, got 0.0"),
+    (["--hostfile", "x", "--probe-timeout", "inf"],
+     "--probe-timeout must be a finite number > 0, got inf"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -319,6 +326,24 @@ def test_hints_of_another_user_do_not_steer_the_job(tmp_path, shared_tmp):
     as_other_user(lambda: write_hints(hints, make_hints(1, 1, [1], 8, None, linear_curve(3))))
     with pytest.raises(HintsError, match=f"belongs to uid {OTHER_UID}"):
         read_hints(hints)
+
+
+def test_a_fifo_in_place_of_the_hints_keeps_the_hosts_instead_of_hanging(tmp_path):
+    # Anyone may mkfifo in a shared folder, before the job first writes its hints there;
+    # opening a FIFO waits for a writer, so discovery (every second) hung on its open.
+    run = Discovery(tmp_path, ["a", "b"], "--initial-np", "1", hints=True)
+    assert run() == [("a", 1)]
+    os.mkfifo(run.hints)
+    command = [sys.executable, "-m", "hvd_adapt.scheduling.discover", "--hostfile",
+               str(run.hostfile), "--ssh-port", "0", "--hold", "0", "--state",
+               str(tmp_path / "state.json"), "--hints", run.hints]
+    # The timeout only bounds a hang: the answer comes in milliseconds.
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "a:1\n", out.stderr
+    assert "not a regular file" in out.stderr and "keeping the current hosts" in out.stderr
+    # In this process only once the bounded run above showed it does not hang.
+    with pytest.raises(HintsError, match="is not a regular file"):
+        read_hints(run.hints)
 
 
 def test_host_names_that_are_not_names_never_reach_horovod(tmp_path):

@@ -255,6 +255,51 @@ def test_a_supervisor_refuses_folders_others_may_write(tmp_path, shared_tmp):
     assert f"{runtime} belongs to uid {OTHER_UID}" in out.stderr, out.stderr
 
 
+def test_a_socket_address_too_long_is_a_clear_error_before_the_boot(tmp_path):
+    # A deep TMPDIR (no XDG_RUNTIME_DIR) makes the socket's path longer than AF_UNIX takes.
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    out = subprocess.run(WORKER + ["--standby", "--standby-dir", str(tmp_path), "--host", "h",
+                                   "--", sys.executable, "-c", "print('ran')"],
+                         capture_output=True, text=True, timeout=60, env=dict(env, TMPDIR=deep))
+    assert out.returncode == 2 and "ran" not in out.stdout, out.stderr
+    assert "cannot bind its socket" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_stub_that_dies_before_its_hand_over_ends_the_standby_cleanly(tmp_path):
+    # A stand-in script that reports ready as wait_for_handover does, without importing torch.
+    script = tmp_path / "ready.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, socket, struct, time
+        sock = socket.socket(fileno=int(os.environ["HVD_ADAPT_STANDBY_FD"]))
+        data = json.dumps({"ready": True}).encode()
+        sock.sendall(struct.pack("!Q", len(data)) + data)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+    """))
+    supervisor = subprocess.Popen(WORKER + ["--standby", "--standby-dir", str(tmp_path / "r"),
+                                            "--host", "h", "--", sys.executable, str(script)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        script_pid = int(supervisor.stdout.readline())
+        while not glob.glob(str(tmp_path / "r" / "h" / "*.json")):
+            assert supervisor.poll() is None, supervisor.stderr.read()
+            time.sleep(0.05)
+        ready_file, = glob.glob(str(tmp_path / "r" / "h" / "*.json"))
+        with open(ready_file) as f:
+            address = json.load(f)["socket"]
+        import socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stub:     # connects, dies
+            stub.connect(address)
+        err = supervisor.communicate(timeout=60)[1]
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 1 and "Traceback" not in err, err
+    assert "the launch stub went away before it handed over its slot" in err, err
+    assert not alive(script_pid)
+
+
 def fake_standby(folder, command, pid):
     """A fake standby in ``folder``: a ready file for ``command`` naming ``pid``, and the
     listening socket it names (returned with its address)."""

@@ -128,18 +128,33 @@ def write_file_atomically(path, data, mode=0o600, durable=False):
         raise
 
 
-def open_own_file(path, others_may_write=False):
-    """Open ``path`` for reading without following a symlink, and check with ``fstat`` (on
-    the very file opened) that it is a regular file of ours. Returns a binary file object."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def open_regular_file(path, follow_symlinks=True):
+    """Open ``path`` for reading and check with ``fstat`` (on the very file opened) that it
+    is a regular file, whoever owns it (a checkpoint other hosts of the job wrote). Returns
+    a binary file object; :class:`UnsafePathError` for anything else (a FIFO, a device)."""
+    # O_NONBLOCK: opening a FIFO planted at path (anyone may mkfifo in a shared folder)
+    # would otherwise wait for a writer forever, before the check could refuse it.
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafePathError(f"{path} is not a regular file: refusing to read it")
-        check_owned(st, path, others_may_write=others_may_write)
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
+        raise
+
+
+def open_own_file(path, others_may_write=False):
+    """Open ``path`` for reading without following a symlink, and check with ``fstat`` (on
+    the very file opened) that it is a regular file of ours. Returns a binary file object."""
+    f = open_regular_file(path, follow_symlinks=False)
+    try:
+        check_owned(os.fstat(f.fileno()), path, others_may_write=others_may_write)
+        return f
+    except BaseException:
+        f.close()
         raise
 
 

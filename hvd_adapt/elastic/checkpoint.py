@@ -204,10 +204,13 @@ def _numpy_globals():
 
 def _load(source, name, trusted):
     try:
-        if trusted:
-            return torch.load(source, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(source, map_location="cpu", weights_only=True)
+        # A path is opened here, not by torch.load: a FIFO planted at it would hang that open.
+        with (private_files.open_regular_file(source) if isinstance(source, (str, os.PathLike))
+              else contextlib.nullcontext(source)) as f:
+            if trusted:
+                return torch.load(f, map_location="cpu", weights_only=False)
+            with torch.serialization.safe_globals(_numpy_globals()):
+                return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if trusted or "weights_only" not in str(e).lower():
             raise CheckpointError(f"checkpoint {name} is unreadable (UnpicklingError: {e}); "
@@ -266,7 +269,8 @@ def generation_of(path):
     if not os.path.exists(path):
         return None
     try:
-        with zipfile.ZipFile(path) as archive:
+        # A FIFO planted at path would hang a plain open (and every rank with it).
+        with private_files.open_regular_file(path) as file, zipfile.ZipFile(file) as archive:
             record = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
             with archive.open(record) as f:
                 payload = _SkeletonUnpickler(f).load()

@@ -32,7 +32,8 @@ MAX_SLOTS = 4096
 # The most of a base command's output read: a host list is far smaller.
 MAX_OUTPUT = 1 << 22
 _LINE = re.compile(r"^\s*(\S+?)(?::(\d{1,9})|\s+slots\s*=\s*(\d{1,9}))?\s*$")
-_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+# fullmatch, not match with "$": "$" also matches before a final newline ("a\n").
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 class BaseDiscoveryError(RuntimeError):
@@ -46,7 +47,7 @@ def valid_host(name):
     # A dotted IPv4 address is such a name too: digits in dot-separated labels.
     if not isinstance(name, str) or not 0 < len(name) <= 253 or not name.isascii():
         return False
-    return all(_LABEL.match(label) for label in name.rstrip(".").split("."))
+    return all(_LABEL.fullmatch(label) for label in name.rstrip(".").split("."))
 
 
 def parse_hosts(text, default_slots, source):

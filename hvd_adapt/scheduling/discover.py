@@ -312,11 +312,16 @@ def check(args, p):
         p.error(f"--slots must be >= 1, got {args.slots}")
     if not 0 <= args.ssh_port <= 65535:
         p.error(f"--ssh-port must be in [0, 65535], got {args.ssh_port}")
+    # "not x >= 0" rather than "x < 0": argparse's float() takes "nan", which no
+    # comparison holds for and which ended in a traceback (--command-timeout) or in
+    # holds and staleness that never apply.
     for name in ("hold", "settle", "stale_after"):
-        if getattr(args, name) < 0:
+        if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.probe_timeout <= 0:
-        p.error(f"--probe-timeout must be > 0, got {args.probe_timeout}")
+    for name in ("probe_timeout", "command_timeout"):
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be a finite number > 0, "
+                    f"got {getattr(args, name)}")
     try:
         DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     except ValueError as e:

@@ -204,6 +204,32 @@ class Supervisor:
         except OSError as e:        # UnsafePathError among them: names the folder and why
             log.error("standby: cannot use the standby folder or the runtime folder: %s", e)
             return 2
+        address = os.path.join(sockets, f"{os.getpid()}-{os.urandom(4).hex()}.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Bound before the script boots: an address the kernel refuses (longer than
+            # AF_UNIX's 108 bytes, under a deep TMPDIR) is a clear error, not a traceback
+            # after the boot.
+            server.bind(address)
+        except OSError as e:
+            server.close()
+            log.error("standby: cannot bind its socket %s: %s", address, e)
+            return 2
+        try:
+            with server:
+                os.chmod(address, 0o600)
+                connection, ours = self._boot_and_accept(server)
+        finally:
+            os.unlink(address)
+        if connection is None:
+            return ours
+        with connection:
+            return self._serve(connection, ours)
+
+    def _boot_and_accept(self, server):
+        """Boot the script, publish the standby once it is ready and wait for a stub of this
+        user on ``server``: ``(connection, the script's socket)``, or ``(None, exit code)``
+        where the standby ends without a slot."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, **{ENV_FD: str(theirs.fileno())})
         self.child = subprocess.Popen(self.command, env=env, pass_fds=[theirs.fileno()],
@@ -218,28 +244,20 @@ class Supervisor:
             log.error("standby: %s ended (exit code %d) before it reached hvd_adapt.init(); "
                       "a standby's script must call hvd_adapt.init()",
                       " ".join(self.command), code)
-            return code or 1
-        address = os.path.join(sockets, f"{os.getpid()}-{os.urandom(4).hex()}.sock")
+            return None, code or 1
+        server.listen(4)
+        server.settimeout(HEARTBEAT_SECONDS)
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-                server.bind(address)
-                os.chmod(address, 0o600)
-                server.listen(4)
-                server.settimeout(HEARTBEAT_SECONDS)
-                try:
-                    self._publish(address)
-                except OSError as e:    # a full disk: no standby, and no script left behind
-                    log.error("standby: cannot publish %s: %s", self.ready_path, e)
-                    self.child.kill()
-                    self.child.wait()
-                    return 1
-                connection = self._accept(server)
-        finally:
-            os.unlink(address)
+            self._publish(server.getsockname())
+        except OSError as e:    # a full disk: no standby, and no script left behind
+            log.error("standby: cannot publish %s: %s", self.ready_path, e)
+            self.child.kill()
+            self.child.wait()
+            return None, 1
+        connection = self._accept(server)
         if connection is None:
-            return _exit_code(self.child.wait())
-        with connection:
-            return self._serve(connection, ours)
+            return None, _exit_code(self.child.wait())
+        return connection, ours
 
     def _stop_waiting(self, signum, frame):
         # The script gets the signal too; before it serves a slot the standby is done,
@@ -293,7 +311,16 @@ class Supervisor:
 
     def _serve(self, connection, child_socket):
         connection.settimeout(None)
-        message, fds = _recv(connection, max_fds=3)
+        try:
+            message, fds = _recv(connection, max_fds=3)
+        except (EOFError, OSError, ValueError) as e:
+            # The stub died between its connect and its hand-over (Horovod killed the
+            # slot): there is no slot to serve, and the script must not outlive it.
+            log.error("standby: the launch stub went away before it handed over its slot "
+                      "(%s); stopping the script", e)
+            self.child.kill()
+            self.child.wait()
+            return 1
         self.serving = True
         _send(child_socket, message, fds)
         for fd in fds:
