@@ -525,3 +525,33 @@ def test_a_forked_child_that_exits_leaves_its_parents_folder(tmp_path):
     os.waitpid(pid, 0)
     step_both(pairs, 1)
     assert_same(pairs)
+
+
+def convnet():
+    # channels_last (an everyday CNN recipe): the conv weights are not contiguous.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 3)).to(memory_format=torch.channels_last)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def test_channels_last_weights_with_fused_adamw_step_as_in_memory(tmp_path):
+    # The fused kernel pairs state and parameter by address: state read back contiguous for
+    # a channels_last weight updated the wrong elements (weights 0.02 apart in 3 steps).
+    pairs = pair(convnet, str(tmp_path), buffer_mb=None)
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(3)) \
+        .to(memory_format=torch.channels_last)
+    for _ in range(3):
+        for model, opt in pairs:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert_same(pairs)
+
+
+def test_a_buffer_too_small_names_the_parameter_and_why_it_is_whole(tmp_path):
+    # Parameter 2, not 0: naming it used to compare tensors with == and raise RuntimeError.
+    torch.manual_seed(0)
+    _, inner = convnet()
+    with pytest.raises(ValueError, match=r"parameter 2 \(shape \(64, 64, 3, 3\), group 0\).*"
+                                         r"not contiguous in memory.*swap_buffer_mb >= 0\.29"):
+        DistributedOptimizer(inner, swap_dir=str(tmp_path), swap_buffer_mb=0.0625)

@@ -144,7 +144,8 @@ class SwappedState:
         return size
 
     def _describe(self, param):
-        index = list(self._groups_of).index(param)
+        # By identity: list.index compares tensors with ==, elementwise, and raises.
+        index = next(i for i, p in enumerate(self._groups_of) if p is param)
         return f"parameter {index} (shape {tuple(param.shape)}, group {self._groups_of[param]})"
 
     def _check_room(self, directory, params):
@@ -649,8 +650,14 @@ class _StepRun:
                 values = dict(kept.plain)
                 for slot in piece.slots:
                     view = buffer.view(slot.buffer_offset, slot.entry.dtype, slot.shape)
-                    values[slot.entry.key] = view.to(p.device, non_blocking=True) \
-                        if slot.entry.on_device else view
+                    device = p.device if slot.entry.on_device else view.device
+                    if slot.entry.elementwise and not p.is_contiguous():
+                        # The file keeps the state in the parameter's element order; a fused
+                        # kernel walks memory and pairs state and parameter by address, so
+                        # the state gets the parameter's strides (channels_last) as in memory.
+                        view = torch.empty_like(p, dtype=slot.entry.dtype, device=device) \
+                            .copy_(view, non_blocking=True)
+                    values[slot.entry.key] = view.to(device, non_blocking=True)
                 state[piece.tensor] = values
         try:
             for g, group in enumerate(groups):

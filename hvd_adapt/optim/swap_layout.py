@@ -222,8 +222,10 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
                     f"swap_dir: the optimizer state of {describe(param)} takes "
                     f"{whole / 2 ** 20:.2f} MiB"
                     + ("" if splittable(param) else
-                       ", and the optimizer does not update it elementwise (stepping it in "
-                       "pieces would change the result), so it is stepped whole")
+                       ", and the parameter is not contiguous in memory (channels_last, a "
+                       "transposed view), so it is stepped whole" if not param.is_contiguous()
+                       else ", and the optimizer does not update it elementwise (stepping it "
+                       "in pieces would change the result), so it is stepped whole")
                     + f": pass swap_buffer_mb >= {need / 2 ** 20:.2f}")
             ranges = [(start, min(start + per, param.numel()))
                       for start in range(0, param.numel(), per)]
