@@ -555,3 +555,29 @@ def test_a_buffer_too_small_names_the_parameter_and_why_it_is_whole(tmp_path):
     with pytest.raises(ValueError, match=r"parameter 2 \(shape \(64, 64, 3, 3\), group 0\).*"
                                          r"not contiguous in memory.*swap_buffer_mb >= 0\.29"):
         DistributedOptimizer(inner, swap_dir=str(tmp_path), swap_buffer_mb=0.0625)
+
+
+def test_an_fp32_state_loads_into_bf16_parameters_as_in_memory(tmp_path):
+    # Resuming an fp32 run in bf16: torch casts the state (not the step) to the parameter's
+    # dtype; kept fp32 on disk, the next swapped step raised after moving some parameters.
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 3000), torch.nn.Tanh(),
+                                    torch.nn.Linear(3000, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    torch.manual_seed(0)
+    model, inner = build()
+    model(torch.ones(8, 16)).pow(2).mean().backward()
+    inner.step()
+    # Buffers of 64 KiB: each bf16 moment (96 KB) is cast a region at a time.
+    pairs = pair(build, str(tmp_path), buffer_mb=0.0625)
+    for resumed, opt in pairs:
+        resumed.load_state_dict(model.state_dict())
+        resumed.to(torch.bfloat16)
+        opt.load_state_dict(inner.state_dict())
+    for _ in range(2):
+        for resumed, opt in pairs:
+            opt.zero_grad()
+            resumed(torch.ones(8, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+    assert_same(pairs)

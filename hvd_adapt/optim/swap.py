@@ -379,7 +379,11 @@ class SwappedState:
             for key, value in states[p].items():
                 if torch.is_tensor(value):
                     elementwise = tuple(value.shape) == tuple(p.shape)
-                    tensors.append((key, value.dtype, None if elementwise else value.shape,
+                    # As torch's load_state_dict: state but the step takes the parameter's
+                    # dtype (an fp32 checkpoint resumed in bf16), or the step would raise.
+                    dtype = p.dtype if key != "step" and p.is_floating_point() \
+                        else value.dtype
+                    tensors.append((key, dtype, None if elementwise else value.shape,
                                     known.get(key, elementwise and p.device.type != "cpu")))
                 else:
                     plain[key] = value
@@ -387,8 +391,13 @@ class SwappedState:
         layout = Layout(specs)
 
         def fill(entry, param, buffer, start, size):
-            flat = states[param][entry.key].detach().reshape(-1).view(torch.uint8)
-            buffer.bytes[:size].copy_(flat[start:start + size])
+            flat = states[param][entry.key].detach().reshape(-1)
+            if flat.dtype != entry.dtype:
+                # Cast a buffer's worth at a time: a mapped checkpoint is never read whole.
+                width = entry.element_size
+                flat = flat[start // width:(start + size) // width].to(entry.dtype)
+                start = 0
+            buffer.bytes[:size].copy_(flat.view(torch.uint8)[start:start + size])
 
         self._write_all(layout, fill)
 
