@@ -581,3 +581,30 @@ def test_an_fp32_state_loads_into_bf16_parameters_as_in_memory(tmp_path):
             resumed(torch.ones(8, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
             opt.step()
     assert_same(pairs)
+
+
+def test_sparse_gradients_are_stepped_whole_or_refused_before_anything_moves(tmp_path):
+    # Embedding(sparse=True) with Adagrad: a sparse gradient cannot be sliced into pieces
+    # (slicing one raised in the middle of a step, some parameters already moved).
+    def build():
+        model = torch.nn.Sequential(torch.nn.Embedding(5000, 16, sparse=True))
+        return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+    def step(model, opt, i):
+        opt.zero_grad()
+        model(torch.tensor([1, 5, 4999, i])).pow(2).mean().backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    model, inner = build()
+    small = DistributedOptimizer(inner, swap_dir=str(tmp_path / "small"), swap_buffer_mb=0.0625)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"its gradient is sparse, so it is stepped whole: "
+                                         r"pass swap_buffer_mb >= 0\.31"):
+        step(model, small, 0)
+    assert torch.equal(before, model[0].weight)
+    pairs = pair(build, str(tmp_path / "large"), buffer_mb=0.5)
+    for i in range(2):
+        for model, opt in pairs:
+            step(model, opt, i)
+    assert_same(pairs)

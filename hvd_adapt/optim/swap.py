@@ -134,7 +134,9 @@ class SwappedState:
         return self._makeups[key]
 
     def _splittable(self, param):
-        return param.is_contiguous() and self._makeup(param).splittable
+        # A sparse gradient (Embedding(sparse=True)) cannot be sliced into pieces.
+        sparse = param.grad is not None and param.grad.is_sparse
+        return param.is_contiguous() and not sparse and self._makeup(param).splittable
 
     def _whole_bytes(self, param):
         size = 0
