@@ -608,3 +608,15 @@ def test_sparse_gradients_are_stepped_whole_or_refused_before_anything_moves(tmp
         for model, opt in pairs:
             step(model, opt, i)
     assert_same(pairs)
+
+
+def test_sgd_without_momentum_has_the_state_dict_of_memory(tmp_path):
+    # No state kept: torch's state_dict has none; the swapped one listed {} per parameter.
+    def build():
+        model, _ = mlp()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.01)
+
+    pairs = pair(build, str(tmp_path))
+    step_both(pairs, 2)
+    assert_same(pairs)
+    assert pairs[0][1].state_dict()["state"] == {}

@@ -367,7 +367,10 @@ class SwappedState:
         if layout is None:
             return {}
         mapped = self._map(self.live if generation is None else generation)
-        return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params}
+        # A parameter stepped without state (SGD without momentum) has none in memory
+        # either: torch's state_dict leaves it out.
+        return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params
+                if entry.entries or entry.plain}
 
     def load(self, states):
         """Write ``states`` ({param: {key: tensor or value}}, e.g. a checkpoint's, mapped)
