@@ -583,6 +583,7 @@ def test_an_fp32_state_loads_into_bf16_parameters_as_in_memory(tmp_path):
     assert_same(pairs)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")   # torch's Adagrad
 def test_sparse_gradients_are_stepped_whole_or_refused_before_anything_moves(tmp_path):
     # Embedding(sparse=True) with Adagrad: a sparse gradient cannot be sliced into pieces
     # (slicing one raised in the middle of a step, some parameters already moved).
