@@ -525,3 +525,99 @@ def test_a_forked_child_that_exits_leaves_its_parents_folder(tmp_path):
     os.waitpid(pid, 0)
     step_both(pairs, 1)
     assert_same(pairs)
+
+
+def convnet():
+    # channels_last (an everyday CNN recipe): the conv weights are not contiguous.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 3)).to(memory_format=torch.channels_last)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def test_channels_last_weights_with_fused_adamw_step_as_in_memory(tmp_path):
+    # The fused kernel pairs state and parameter by address: state read back contiguous for
+    # a channels_last weight updated the wrong elements (weights 0.02 apart in 3 steps).
+    pairs = pair(convnet, str(tmp_path), buffer_mb=None)
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(3)) \
+        .to(memory_format=torch.channels_last)
+    for _ in range(3):
+        for model, opt in pairs:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert_same(pairs)
+
+
+def test_a_buffer_too_small_names_the_parameter_and_why_it_is_whole(tmp_path):
+    # Parameter 2, not 0: naming it used to compare tensors with == and raise RuntimeError.
+    torch.manual_seed(0)
+    _, inner = convnet()
+    with pytest.raises(ValueError, match=r"parameter 2 \(shape \(64, 64, 3, 3\), group 0\).*"
+                                         r"not contiguous in memory.*swap_buffer_mb >= 0\.29"):
+        DistributedOptimizer(inner, swap_dir=str(tmp_path), swap_buffer_mb=0.0625)
+
+
+def test_an_fp32_state_loads_into_bf16_parameters_as_in_memory(tmp_path):
+    # Resuming an fp32 run in bf16: torch casts the state (not the step) to the parameter's
+    # dtype; kept fp32 on disk, the next swapped step raised after moving some parameters.
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 3000), torch.nn.Tanh(),
+                                    torch.nn.Linear(3000, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    torch.manual_seed(0)
+    model, inner = build()
+    model(torch.ones(8, 16)).pow(2).mean().backward()
+    inner.step()
+    # Buffers of 64 KiB: each bf16 moment (96 KB) is cast a region at a time.
+    pairs = pair(build, str(tmp_path), buffer_mb=0.0625)
+    for resumed, opt in pairs:
+        resumed.load_state_dict(model.state_dict())
+        resumed.to(torch.bfloat16)
+        opt.load_state_dict(inner.state_dict())
+    for _ in range(2):
+        for resumed, opt in pairs:
+            opt.zero_grad()
+            resumed(torch.ones(8, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+    assert_same(pairs)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")   # torch's Adagrad
+def test_sparse_gradients_are_stepped_whole_or_refused_before_anything_moves(tmp_path):
+    # Embedding(sparse=True) with Adagrad: a sparse gradient cannot be sliced into pieces
+    # (slicing one raised in the middle of a step, some parameters already moved).
+    def build():
+        model = torch.nn.Sequential(torch.nn.Embedding(5000, 16, sparse=True))
+        return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+    def step(model, opt, i):
+        opt.zero_grad()
+        model(torch.tensor([1, 5, 4999, i])).pow(2).mean().backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    model, inner = build()
+    small = DistributedOptimizer(inner, swap_dir=str(tmp_path / "small"), swap_buffer_mb=0.0625)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"its gradient is sparse, so it is stepped whole: "
+                                         r"pass swap_buffer_mb >= 0\.31"):
+        step(model, small, 0)
+    assert torch.equal(before, model[0].weight)
+    pairs = pair(build, str(tmp_path / "large"), buffer_mb=0.5)
+    for i in range(2):
+        for model, opt in pairs:
+            step(model, opt, i)
+    assert_same(pairs)
+
+
+def test_sgd_without_momentum_has_the_state_dict_of_memory(tmp_path):
+    # No state kept: torch's state_dict has none; the swapped one listed {} per parameter.
+    def build():
+        model, _ = mlp()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.01)
+
+    pairs = pair(build, str(tmp_path))
+    step_both(pairs, 2)
+    assert_same(pairs)
+    assert pairs[0][1].state_dict()["state"] == {}

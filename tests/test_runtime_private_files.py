@@ -75,3 +75,38 @@ def test_reading_refuses_links_and_other_users_files(tmp_path, shared_tmp):
         pf.read_own_file(theirs)
     with pytest.raises(ValueError, match="larger than 0 bytes"):
         pf.read_own_file(tmp_path / "real", limit=0)
+
+
+@pytest.mark.parametrize("when", ["after-mkdir", "before-flock"])
+def test_a_new_locked_folder_survives_a_sweep_before_its_lock(when, tmp_path, monkeypatch):
+    # Another process of ours (a rank starting or ending on the same host) sweeps the shared
+    # folder between our mkdir and our flock: it takes the new, still unlocked folder for a
+    # dead one's and removes it. The new folder must be another, existing and locked.
+    sweeps = []
+
+    def sweep():
+        if not sweeps:
+            sweeps.append(None)     # once: the sweep's own flock comes back here
+            sweeps[0] = pf.remove_unlocked_folders(str(tmp_path), "p-")
+
+    real_mkdir, real_flock = os.mkdir, pf.fcntl.flock
+
+    def mkdir(path, mode=0o777, **kwargs):
+        real_mkdir(path, mode, **kwargs)
+        if when == "after-mkdir":
+            sweep()
+
+    def flock(fd, operation):
+        if when == "before-flock":
+            sweep()
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(pf.fcntl, "flock", flock)
+    path, fd = pf.new_locked_folder(str(tmp_path), "p-")
+    try:
+        assert len(sweeps[0]) == 1 and sweeps[0][0] != path, "the sweep removed the first try"
+        assert os.path.samestat(os.fstat(fd), os.lstat(path))
+        assert pf.remove_unlocked_folders(str(tmp_path), "p-") == [], "ours is locked"
+    finally:
+        os.close(fd)

@@ -180,16 +180,25 @@ def new_locked_folder(parent, prefix):
         path = os.path.join(parent, prefix + os.urandom(6).hex())
         try:
             os.mkdir(path, 0o700)
-            break
         except FileExistsError:
             continue
-    else:
-        raise FileExistsError(errno.EEXIST, "no free folder name", parent)
-    try:
-        return path, _lock_folder(path)
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
+        # Until it is locked the new folder looks stale: another process of ours sweeping
+        # parent (a rank starting or ending beside us) may lock and remove it first. Then
+        # the lock fails, or is taken on a removed folder: try another name.
+        try:
+            fd = _lock_folder(path)
+        except (BlockingIOError, FileNotFoundError):
+            continue
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        try:
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return path, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise FileExistsError(errno.EEXIST, "no free folder name", parent)
 
 
 def _lock_folder(path):

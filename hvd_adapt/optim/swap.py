@@ -134,7 +134,9 @@ class SwappedState:
         return self._makeups[key]
 
     def _splittable(self, param):
-        return param.is_contiguous() and self._makeup(param).splittable
+        # A sparse gradient (Embedding(sparse=True)) cannot be sliced into pieces.
+        sparse = param.grad is not None and param.grad.is_sparse
+        return param.is_contiguous() and not sparse and self._makeup(param).splittable
 
     def _whole_bytes(self, param):
         size = 0
@@ -144,7 +146,8 @@ class SwappedState:
         return size
 
     def _describe(self, param):
-        index = list(self._groups_of).index(param)
+        # By identity: list.index compares tensors with ==, elementwise, and raises.
+        index = next(i for i, p in enumerate(self._groups_of) if p is param)
         return f"parameter {index} (shape {tuple(param.shape)}, group {self._groups_of[param]})"
 
     def _check_room(self, directory, params):
@@ -364,7 +367,10 @@ class SwappedState:
         if layout is None:
             return {}
         mapped = self._map(self.live if generation is None else generation)
-        return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params}
+        # A parameter stepped without state (SGD without momentum) has none in memory
+        # either: torch's state_dict leaves it out.
+        return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params
+                if entry.entries or entry.plain}
 
     def load(self, states):
         """Write ``states`` ({param: {key: tensor or value}}, e.g. a checkpoint's, mapped)
@@ -378,7 +384,11 @@ class SwappedState:
             for key, value in states[p].items():
                 if torch.is_tensor(value):
                     elementwise = tuple(value.shape) == tuple(p.shape)
-                    tensors.append((key, value.dtype, None if elementwise else value.shape,
+                    # As torch's load_state_dict: state but the step takes the parameter's
+                    # dtype (an fp32 checkpoint resumed in bf16), or the step would raise.
+                    dtype = p.dtype if key != "step" and p.is_floating_point() \
+                        else value.dtype
+                    tensors.append((key, dtype, None if elementwise else value.shape,
                                     known.get(key, elementwise and p.device.type != "cpu")))
                 else:
                     plain[key] = value
@@ -386,8 +396,13 @@ class SwappedState:
         layout = Layout(specs)
 
         def fill(entry, param, buffer, start, size):
-            flat = states[param][entry.key].detach().reshape(-1).view(torch.uint8)
-            buffer.bytes[:size].copy_(flat[start:start + size])
+            flat = states[param][entry.key].detach().reshape(-1)
+            if flat.dtype != entry.dtype:
+                # Cast a buffer's worth at a time: a mapped checkpoint is never read whole.
+                width = entry.element_size
+                flat = flat[start // width:(start + size) // width].to(entry.dtype)
+                start = 0
+            buffer.bytes[:size].copy_(flat.view(torch.uint8)[start:start + size])
 
         self._write_all(layout, fill)
 
@@ -649,8 +664,14 @@ class _StepRun:
                 values = dict(kept.plain)
                 for slot in piece.slots:
                     view = buffer.view(slot.buffer_offset, slot.entry.dtype, slot.shape)
-                    values[slot.entry.key] = view.to(p.device, non_blocking=True) \
-                        if slot.entry.on_device else view
+                    device = p.device if slot.entry.on_device else view.device
+                    if slot.entry.elementwise and not p.is_contiguous():
+                        # The file keeps the state in the parameter's element order; a fused
+                        # kernel walks memory and pairs state and parameter by address, so
+                        # the state gets the parameter's strides (channels_last) as in memory.
+                        view = torch.empty_like(p, dtype=slot.entry.dtype, device=device) \
+                            .copy_(view, non_blocking=True)
+                    values[slot.entry.key] = view.to(device, non_blocking=True)
                 state[piece.tensor] = values
         try:
             for g, group in enumerate(groups):

@@ -221,9 +221,8 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
                 raise ValueError(
                     f"swap_dir: the optimizer state of {describe(param)} takes "
                     f"{whole / 2 ** 20:.2f} MiB"
-                    + ("" if splittable(param) else
-                       ", and the optimizer does not update it elementwise (stepping it in "
-                       "pieces would change the result), so it is stepped whole")
+                    + ("" if splittable(param) else f", and {_whole_because(param)}, so "
+                       "it is stepped whole")
                     + f": pass swap_buffer_mb >= {need / 2 ** 20:.2f}")
             ranges = [(start, min(start + per, param.numel()))
                       for start in range(0, param.numel(), per)]
@@ -250,6 +249,15 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
     if current:
         chunks.append(current)
     return chunks
+
+
+def _whole_because(param):
+    if not param.is_contiguous():
+        return "the parameter is not contiguous in memory (channels_last, a transposed view)"
+    if param.grad is not None and param.grad.is_sparse:
+        return "its gradient is sparse"
+    return "the optimizer does not update it elementwise (stepping it in pieces would " \
+        "change the result)"
 
 
 def _piece_elements(tensors, param, buffer_bytes):
