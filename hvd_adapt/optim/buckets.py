@@ -54,12 +54,18 @@ class Layout:
         self.extra_device = last.device if last is not None else torch.device("cpu")
 
     # The extra slot:
-    # [norms per group | completed | abandoned | refused | used per param | order].
+    # [norms per group | completed | abandoned | refused | later pass | first pass |
+    #  used per param | order]. Later and first pass both set: ranks ran different
+    # numbers of backward passes before step(), and each pass's allreduce met another
+    # step's pass of another rank.
+    FLAGS = 5
+
     @property
     def extra_length(self):
-        return self.num_groups + 3 + 2 * len(self.params)
+        return self.num_groups + self.FLAGS + 2 * len(self.params)
 
-    def extra(self, norms, completed, abandoned, used, proposed_order, refused=False):
+    def extra(self, norms, completed, abandoned, used, proposed_order, refused=False,
+              later=False):
         """The extra slot's tensor, on the gradients' device: ``norms`` a float64 tensor per
         group (on that device) or None, ``used`` a bytearray per position,
         ``proposed_order`` positions in observed order or None. Built without waiting for
@@ -69,12 +75,15 @@ class Layout:
         out[g].fill_(float(completed))
         out[g + 1].fill_(float(abandoned))
         out[g + 2].fill_(float(refused))
+        out[g + 3].fill_(float(later))
+        out[g + 4].fill_(float(not later))
+        f = g + self.FLAGS
         if count:
-            out[g + 3:g + 3 + count].copy_(self._to_device(list(used)), non_blocking=True)
+            out[f:f + count].copy_(self._to_device(list(used)), non_blocking=True)
         if proposed_order is not None:
             # 1-based, so that 0 says "no proposal".
-            out[g + 3 + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
-                                      non_blocking=True)
+            out[f + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
+                                  non_blocking=True)
         if norms is not None:
             out[:g].copy_(norms)
         return out
@@ -84,17 +93,20 @@ class Layout:
         return host.pin_memory() if self.extra_device.type == "cuda" else host
 
     def read_extra(self, reduced, scale):
-        """``(norms, completed, abandoned, refused, used, order)`` of an allreduced extra slot;
-        ``scale`` undoes what the allreduce multiplied it by (averaging over micro-steps and,
-        for ``hvd.Average``, replicas) for the proposed order, rank 0's alone."""
+        """``(norms, completed, abandoned, refused, passes_differ, used, order)`` of an
+        allreduced extra slot; ``scale`` undoes what the allreduce multiplied it by
+        (averaging over micro-steps and, for ``hvd.Average``, replicas) for the proposed
+        order, rank 0's alone."""
         g, count = self.num_groups, len(self.params)
         values = reduced.double()
         norms = values[:g]
-        flags = values[g:g + 3].tolist()
-        used = (values[g + 3:g + 3 + count] > 0).tolist()
-        proposal = (values[g + 3 + count:] * scale).round().long().tolist()
+        f = g + self.FLAGS
+        flags = values[g:f].tolist()
+        used = (values[f:f + count] > 0).tolist()
+        proposal = (values[f + count:] * scale).round().long().tolist()
         order = [position - 1 for position in proposal] if count and proposal[0] > 0 else None
-        return norms, flags[0] > 0, flags[1] > 0, flags[2] > 0, used, order
+        passes_differ = flags[3] > 0 and flags[4] > 0
+        return norms, flags[0] > 0, flags[1] > 0, flags[2] > 0, passes_differ, used, order
 
 
 def signature(groups):

@@ -33,9 +33,12 @@ gradients already averaged (a second loss, hand-written accumulation)
 averages again: each rank holds the same average plus its own new share, so
 the new average adds that share's average once; after a loader's cycle of
 ``k`` micro-batches, a pre-hook on each parameter's AccumulateGrad node
-first scales a later pass's gradient by ``1/k``. Between the micro-steps of a
-loader's cycle ``ledger.py`` keeps each local sum: ``model.zero_grad()`` is
-undone, a change in place refused on every rank.
+first scales a later pass's gradient by ``1/k``. The extra slot says whether
+a pass is its step's first or a later one: ranks that run different numbers
+of passes per step meet another step's pass, and every rank raises rather
+than mix two steps. Between the micro-steps of a loader's cycle ``ledger.py``
+keeps each local sum: ``model.zero_grad()`` is undone, a change in place
+refused on every rank.
 
 A pass is one ``.backward()`` (``backward_pass.py``): nested reentrant
 backwards and ``torch.autograd.grad`` open nothing. A pass that raised is
@@ -359,15 +362,23 @@ class GradientExchange:
                 proposal = self._observed + [pos for pos in range(len(layout.params) - 1, -1, -1)
                                              if pos not in seen]
             extra = layout.extra(norms if completed else None, completed, not completed,
-                                 self._used, proposal, refused is not None)
+                                 self._used, proposal, refused is not None, plan.extra)
             for index in range(len(layout.buckets)):
                 if index not in self._handles:
                     self._submit(index, micro, extra if index == len(layout.buckets) - 1
                                  else None)
             carried = self._synchronize()
             scale = micro * (hvd.size() if self._op == hvd.Average else 1)
-            reduced_norms, anyone_completed, anyone_abandoned, anyone_refused, used, order = \
-                layout.read_extra(carried, scale)
+            (reduced_norms, anyone_completed, anyone_abandoned, anyone_refused, passes_differ,
+             used, order) = layout.read_extra(carried, scale)
+            if passes_differ:
+                self._reset_cycle()
+                raise RuntimeError(
+                    "ranks ran different numbers of backward passes before step(): this "
+                    "rank's pass met another step's pass of another rank, so their gradients "
+                    f"cannot be averaged ({self.name}). Run the same number of backward() "
+                    "calls per optimizer step on every rank (split a batch into as many "
+                    "micro-batches everywhere, or skip a batch on every rank alike)")
             if anyone_refused:
                 self._reset_cycle()
                 raise RuntimeError(refused or "another rank refused this accumulation cycle "

@@ -35,12 +35,17 @@ JOBS = {
         "sam", "wgan_gp", "maml_inner_loop", "distillation", "lora", "ema",
         "tied_embeddings", "moe_expert_per_rank", "skip_layer_some_steps",
         "branch_on_one_rank", "gradient_penalty_in_loss", "gan_two_optimizers",
+        "dino_teacher_student", "contrastive_local_negatives", "tied_embeddings_lora",
+        "lightning_toggle_optimizer", "per_task_optimizers_shared_trunk", "compiled_model",
     ],
     "training-recipes": [
         "plain_sgd", "adamw", "hand_accumulation", "loader_accumulation", "model_zero_grad",
         "loader_accumulation_create_graph",
         "schedulers", "onecycle", "clip_grad_norm", "synchronize_clip_skip", "grad_scaler",
         "unfreeze_mid_training", "retain_graph_twice",
+        "checkpoint_non_reentrant_shared", "fairseq_update_freq", "backwards_per_rank_differ",
+        "zero_grad_between_forward_and_backward", "freeze_by_epoch",
+        "clip_error_if_nonfinite_one_rank", "grad_scaler_inf_one_rank",
     ],
 }
 
