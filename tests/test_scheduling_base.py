@@ -7,6 +7,7 @@ import time
 import pytest
 
 from hvd_adapt.scheduling.base import BaseDiscoveryError, parse_hosts, run_command, valid_host
+from processes import alive
 
 
 def test_parse_hosts_formats_and_bad_lines():
@@ -39,14 +40,6 @@ def test_a_name_with_a_trailing_newline_is_not_a_host_name():
                                   "127.0.0.1", "A1", "1a", "x" * 63, "fqdn.example."])
 def test_host_names_and_addresses_pass(name):
     assert valid_host(name) and parse_hosts(f"{name}:2\n", 1, "f") == ([(name, 2)], [])
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_timed_out_command_is_killed_with_all_its_processes(tmp_path):

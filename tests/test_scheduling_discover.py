@@ -13,6 +13,7 @@ import pytest
 from hvd_adapt.scheduling import discover as discover_module
 from hvd_adapt.scheduling.base import parse_hosts
 from hvd_adapt.scheduling.hints import HintsError, make_hints, read_hints, write_hints
+from processes import alive
 from second_user import OTHER_UID, as_other_user, shared_tmp  # noqa: F401 (a fixture)
 
 
@@ -522,14 +523,6 @@ def test_a_base_command_past_its_timeout_is_killed_whole_and_an_answer_is_an_ans
             break
         time.sleep(0.05)
     assert not any(alive(pid) for pid in started), started
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_state_file_that_cannot_be_written_costs_the_memory_not_the_answer(tmp_path,

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hvd_adapt.scheduling import ready, standby
+from processes import alive
 from second_user import (OTHER_UID, as_other_user, other_user_running,  # noqa: F401
                          shared_tmp)
 
@@ -209,14 +210,6 @@ def test_missing_command_is_an_error(capsys):
     with pytest.raises(SystemExit):
         standby.main(["--standby-dir", "x"])
     assert "the training command is missing" in capsys.readouterr().err
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_supervisor_takes_the_script_with_it(setup):
