@@ -10,6 +10,9 @@ import torch
 import hvd_adapt
 from _report import report
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from full_disk import fill  # noqa: E402  (tests/full_disk.py: the one disk filler)
+
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()
 swap_dir = sys.argv[1 + rank]
@@ -42,12 +45,7 @@ step()
 before = digest()
 filler = os.path.join(swap_dir, "filler")
 if rank == 1:
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
+    fill(swap_dir)          # writes `filler` until the tmpfs is full
 error = None
 try:
     step()
