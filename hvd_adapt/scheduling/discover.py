@@ -59,6 +59,12 @@ from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
 from .ready import ready_count
 
+# A host's sessions are ended only after this many missed probes in a row (and
+# --lost-after seconds): one slow answer of a loaded host is not a partition.
+LOST_PROBES = 3
+# The second, longer probe of a host offered last or with sessions that missed the first.
+SECOND_PROBE_SECONDS = 1.0
+
 
 def standbys_ready(args, base, seen, now, problems):
     """``{host: standbys whose heartbeat beats}`` for the base hosts (None without
@@ -77,10 +83,11 @@ def standbys_ready(args, base, seen, now, problems):
     return ready, kept
 
 
-def candidates(base, previous, args, ready=None):
+def candidates(base, previous, answering=None, ready=None):
     """Hosts in the order to fill them, with their capacity: last offered (as offered),
-    their spare slots, then new hosts that answer and have standbys ready (``ready``:
-    standbys per host, None when every slot counts)."""
+    their spare slots, then new hosts that answer and have standbys ready (``answering``:
+    the hosts whose sshd answered, None without the check; ``ready``: standbys per host,
+    None when every slot counts)."""
     capacity = dict(base)
     if ready is not None:
         capacity = {host: min(slots, previous.get(host, 0) + ready[host])
@@ -88,12 +95,9 @@ def candidates(base, previous, args, ready=None):
     kept = [(host, min(slots, capacity[host])) for host, slots in previous.items()
             if host in capacity]
     new = [host for host, _ in base if host not in previous and capacity[host] > 0]
-    if (new or previous) and args.ssh_port:
-        from .probe import reachable      # sockets only when there is a host to probe
-        # The hosts offered last are probed again with the new ones, all at once: one
-        # whose sshd stopped answering (down, cut off) is not offered again, so Horovod's
-        # driver does not launch on it after its blacklist cooldown.
-        answering = reachable(new + list(previous), args.ssh_port, args.probe_timeout)
+    if answering is not None:
+        # A host offered last whose sshd stopped answering (down, cut off) is not offered
+        # again, so Horovod's driver does not launch on it after its blacklist cooldown.
         new = [host for host in new if host in answering]
         kept = [(host, slots) for host, slots in kept if host in answering]
         if previous and not kept:
@@ -103,6 +107,61 @@ def candidates(base, previous, args, ready=None):
     spare = [(host, capacity[host] - slots) for host, slots in kept
              if capacity.get(host, 0) > slots]
     return kept, spare + [(host, capacity[host]) for host in new]
+
+
+def probe_hosts(args, hosts, second_chance):
+    """The ``hosts`` whose sshd answers, all probed at once within ``--probe-timeout``;
+    those of ``second_chance`` that missed it are probed once more, for
+    ``SECOND_PROBE_SECONDS``: a loaded host is not dropped, nor its sessions ended, for
+    one slow answer. None without the check (``--ssh-port 0``)."""
+    if not args.ssh_port:
+        return None
+    from .probe import reachable      # sockets only when there is a host to probe
+    answering = reachable(hosts, args.ssh_port, args.probe_timeout) if hosts else set()
+    missed = [host for host in second_chance if host not in answering]
+    if missed:
+        answering |= reachable(missed, args.ssh_port,
+                               max(args.probe_timeout, SECOND_PROBE_SECONDS))
+    return answering
+
+
+def end_lost_sessions(args, live, answering, unanswered, now):
+    """End the driver's sessions (``live``: ``{host: pids}``) to each host whose sshd has
+    missed every probe for ``--lost-after`` seconds and at least ``LOST_PROBES`` probes
+    (:mod:`.sessions` says why); the ``{host: [first missed at, probes missed]}`` to
+    remember for the hosts still being judged."""
+    from .sessions import end
+    judged = {}
+    for host, pids in live.items():
+        if answering is None or host in answering:
+            continue
+        first, missed = unanswered.get(host, [now, 0])
+        missed += 1
+        if missed >= LOST_PROBES and now - first >= args.lost_after:
+            ended = end(pids)
+            sys.stderr.write(
+                f"hvd-adapt-discover: {host} has not answered on port {args.ssh_port} for "
+                f"{now - first:.1f} s ({missed} probes): ending the job's {len(ended)} "
+                f"session(s) to it, so that Horovod's driver counts its workers as failed\n")
+        else:
+            judged[host] = [first, missed]
+    return judged
+
+
+def warn_without_keepalive(args, base, state):
+    """Once per state file, where neither this script (``--ssh-port 0`` or
+    ``--lost-after 0``) nor ssh (``ServerAliveInterval 0``) would notice a host cut off
+    silently: one line naming the fix."""
+    if state.get("keepalive_checked") or not base or (args.ssh_port and args.lost_after):
+        return
+    from .sessions import keepalive_off
+    host = base[0][0]
+    if keepalive_off(host):
+        sys.stderr.write(
+            f"hvd-adapt-discover: ssh to {host} has no keepalive and --ssh-port/--lost-after "
+            "is off: a host cut off silently stalls the job until its link heals; set "
+            "'ServerAliveInterval 2' and 'ServerAliveCountMax 3' in ~/.ssh/config "
+            "(docs/elastic.md)\n")
 
 
 def merge(hosts):
@@ -155,9 +214,11 @@ def default_state_path(args):
 
 def load_state(path):
     """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
-    {ready file: [mtime_ns, change seen at]}, "said": [problems said]}``; a fresh one where there is no state file
-    or it is not one (the reason on stderr). A file of another user, or one others may
-    write, raises :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
+    {ready file: [mtime_ns, change seen at]}, "said": [problems said], "watch": [hosts the
+    job had sessions to], "unanswered": {host: [first missed probe at, probes missed]},
+    "keepalive_checked": bool}``; a fresh one where there is no state file or it is not
+    one (the reason on stderr). A file of another user, or one others may write, raises
+    :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
     try:
         state = json.loads(read_own_file(path, limit=1 << 20))
         hosts = {host: slots for host, slots in state["hosts"]}
@@ -174,7 +235,18 @@ def load_state(path):
         said = state.get("said", [])
         if not (isinstance(said, list) and all(isinstance(p, str) for p in said)):
             raise ValueError("the problems said are not a list of strings")
-        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said}
+        watch = state.get("watch", [])
+        if not (isinstance(watch, list) and all(valid_host(h) for h in watch)):
+            raise ValueError("the hosts watched are not host names")
+        unanswered = state.get("unanswered", {})
+        if not all(valid_host(h) and isinstance(v, list) and len(v) == 2 and _finite(v[0])
+                   and type(v[1]) is int and v[1] > 0 for h, v in unanswered.items()):
+            raise ValueError("a missed probe record is not valid")
+        checked = state.get("keepalive_checked", False)
+        if type(checked) is not bool:
+            raise ValueError("keepalive_checked is not a boolean")
+        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said,
+                "watch": watch, "unanswered": unanswered, "keepalive_checked": checked}
     except FileNotFoundError:
         pass
     except UnsafePathError:
@@ -188,13 +260,12 @@ def _finite(value):
     return type(value) in (int, float) and math.isfinite(value)
 
 
-def save_state(path, hosts, changed_at, standbys, said=()):
-    """Remember this run's answer (and the problems it said); a failed write (a full disk)
-    costs the memory, not the answer: a line on stderr, and the run goes on."""
+def save_state(path, state):
+    """Remember this run's answer (and the problems it said, the hosts watched); a failed
+    write (a full disk) costs the memory, not the answer: a line on stderr, and the run
+    goes on."""
     try:
-        write_file_atomically(path, json.dumps({"hosts": hosts, "changed_at": changed_at,
-                                                "standbys": standbys,
-                                                "said": list(said)}).encode())
+        write_file_atomically(path, json.dumps(state).encode())
     except OSError as e:
         sys.stderr.write(f"hvd-adapt-discover: cannot save the state file: {e}\n")
 
@@ -202,7 +273,9 @@ def save_state(path, hosts, changed_at, standbys, said=()):
 def discover(args, now=None):
     """One run: the ``[(host, slots)]`` to print (and the state file updated). An empty
     or failed base answer keeps the hosts offered last, as do unreadable hints; each
-    problem is said on stderr once, while it lasts (Horovod runs this every second)."""
+    problem is said on stderr once, while it lasts (Horovod runs this every second).
+    Under Horovod's driver, the job's sessions to a host that stopped answering are
+    ended (:func:`end_lost_sessions`)."""
     now = time.time() if now is None else now
     rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     state_path = args.state or default_state_path(args)
@@ -216,16 +289,28 @@ def discover(args, now=None):
             raise
         base, left_out = [], [str(e)]
     problems += [f"left out: {problem}" for problem in left_out]
+    warn_without_keepalive(args, base, state)
+    live = {}
+    if args.ssh_port and args.lost_after:
+        from .sessions import find_driver, sessions
+        live = sessions(find_driver(), set(state.get("watch", [])) | set(state["hosts"])
+                        | {host for host, _ in base})
+    new = [host for host, _ in base if host not in state["hosts"]]
+    answering = probe_hosts(args, new + list(state["hosts"]) + list(live),
+                            list(state["hosts"]) + list(live))
+    unanswered = end_lost_sessions(args, live, answering, state.get("unanswered", {}), now)
+    memory = {"watch": sorted(live), "unanswered": unanswered, "keepalive_checked": True}
     if not base and previous:
         problems.append(f"the base discovery listed no usable host; keeping the current "
                         f"{sum(s for _, s in previous)} worker(s) on "
                         f"{', '.join(f'{h}:{s}' for h, s in previous)}")
         say_new(problems, state)
-        save_state(state_path, previous, state.get("changed_at", 0.0),
-                   state.get("standbys", {}), problems)
+        save_state(state_path, {"hosts": previous, "changed_at": state.get("changed_at", 0.0),
+                                "standbys": state.get("standbys", {}), "said": problems,
+                                **memory})
         return previous
     ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now, problems)
-    kept, more = candidates(base, state["hosts"], args, ready)
+    kept, more = candidates(base, state["hosts"], answering, ready)
     total = sum(slots for _, slots in kept + more)
     if args.max_np:
         total = min(total, args.max_np)
@@ -240,7 +325,8 @@ def discover(args, now=None):
         changed_at = now
         sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
                          f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
-    save_state(state_path, hosts, changed_at, standbys, problems)
+    save_state(state_path, {"hosts": hosts, "changed_at": changed_at, "standbys": standbys,
+                            "said": problems, **memory})
     return hosts
 
 
@@ -281,7 +367,14 @@ def parser():
     p.add_argument("--ssh-port", type=int, default=22,
                    help="port a new host must answer on (default 22; 0: no check)")
     p.add_argument("--probe-timeout", type=float, default=0.03,
-                   help="seconds to wait for the hosts' ports, all at once (default 0.03)")
+                   help="seconds to wait for the hosts' ports, all at once (default 0.03); "
+                        "a host offered last or with sessions that missed it gets a second "
+                        "probe of 1 s")
+    p.add_argument("--lost-after", type=float, default=3.0,
+                   help="end the job's ssh sessions to a host whose port has missed every "
+                        "probe (3 at least) for this many seconds, so that Horovod's driver "
+                        "counts its workers as failed instead of waiting for the link to "
+                        "heal (default 3; 0: never)")
     p.add_argument("--standby-dir", default=None,
                    help="offer new slots only where a standby worker is ready "
                         "(hvd-adapt-worker --standby)")
@@ -315,6 +408,8 @@ def check(args, p):
     # "not x >= 0" rather than "x < 0": argparse's float() takes "nan", which no
     # comparison holds for and which ended in a traceback (--command-timeout) or in
     # holds and staleness that never apply.
+    if not 0 <= args.lost_after < math.inf:
+        p.error(f"--lost-after must be a finite number >= 0 (0: never), got {args.lost_after}")
     for name in ("hold", "settle", "stale_after"):
         if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

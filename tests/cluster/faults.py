@@ -63,17 +63,26 @@ class FaultJob:
         return f"exit {self.returncode}, output:\n{self.output[-5000:]}"
 
 
-def discovery(out_dir):
+def discovery(out_dir, wrapped=False):
+    """The job's discovery script: the lines of the job folder's ``hosts`` file, or with
+    ``wrapped``, ``hvd-adapt-discover`` wrapping them as a user would (its sshd probe of
+    every host, its ending of a lost host's sessions; no hints: every answering host)."""
     path = os.path.join(out_dir, "discover.sh")
+    base = f'cat "{out_dir}/hosts"'
+    if wrapped:
+        base = (f"exec {sys.executable} -m hvd_adapt.scheduling.discover --command '{base}' "
+                f"--min-np 2 --max-np 3 --initial-np 3 --hold 0 "
+                f'--state "{out_dir}/discover-state.json"')
     with open(path, "w") as f:
-        f.write(f'#!/bin/sh\ncat "{out_dir}/hosts"\n')
+        f.write(f"#!/bin/sh\n{base}\n")
     os.chmod(path, 0o755)
     return path
 
 
 def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=ALL,
-              worker_args=(), launcher_args=(), env=None, np=3, min_np=2, start_timeout=150):
-    """Run the job, call ``inject(bed, job)`` once rank 0 committed ``at_step`` steps
+              worker_args=(), launcher_args=(), env=None, np=3, min_np=2, start_timeout=150,
+              wrapped_discovery=False):
+    """Run the job (``wrapped_discovery``: see :func:`discovery`), call ``inject(bed, job)`` once rank 0 committed ``at_step`` steps
     (within ``start_timeout`` s), wait up to ``after_fault`` seconds more for the job's
     end; return the :class:`FaultJob` (``returncode`` "timeout" where it had to be
     killed)."""
@@ -81,7 +90,7 @@ def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=A
     job.set_hosts(hosts)
     command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
                "--max-np", "3", "--network-interface", "eth0",
-               "--host-discovery-script", discovery(out_dir),
+               "--host-discovery-script", discovery(out_dir, wrapped_discovery),
                "--blacklist-cooldown-range", "1", "3", *launcher_args,
                sys.executable, os.path.join(WORKERS, "elastic_train.py"),
                "--samples", str(SAMPLES), "--epochs", str(epochs), "--adamw", "--amp",
@@ -110,6 +119,54 @@ def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=A
         job.output = f.read()
     job.commits, job.epochs = read_logs(out_dir)
     return job
+
+
+def crash_dropped(bed, job):
+    job.set_hosts(["h1:1", "h2:1"])    # the cluster's scheduler notices the host is gone
+    bed.crash("h3")
+
+
+def crash_listed(bed, job):
+    bed.crash("h3")
+
+
+def partition_dropped(bed, job):
+    job.set_hosts(["h1:1", "h2:1"])
+    bed.cut("h3")
+
+
+def partition_listed(bed, job):
+    bed.cut("h3")
+
+
+def wait_for_commit(job, size, since, timeout):
+    """Wait until a world of ``size`` committed after ``since`` (time.time()); True if it
+    did within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        commits, _ = read_logs(job.out_dir)
+        if any(entry["time"] > since and entry["size"] == size for entry in commits):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def partition_then_heal(bed, job, trained_on=45):
+    """Cut h3; once the survivors have committed at 2 (within ``trained_on`` s), end what
+    is left of h3's old worker and heal the link: h3 answers again and rejoins.
+    ``job.heal_time`` is when the link came back (None where the survivors never trained
+    on). The old worker is ended by hand because it would otherwise answer for h3's slot
+    in the next world (the stub's watchdog of branch r2-36-hung ends it by itself)."""
+    job.heal_time = None
+    bed.cut("h3")
+    if wait_for_commit(job, 2, job.fault_time, trained_on):
+        for pid in bed.find("h3", "elastic_train.py"):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        job.heal_time = time.time()
+        bed.heal("h3")
 
 
 def stop_job(bed, proc):

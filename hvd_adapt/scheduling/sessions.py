@@ -1,0 +1,135 @@
+"""The elastic driver's remote sessions to each host, found among its processes and ended
+for a host that stopped answering; and whether ssh has a keepalive.
+
+**The Horovod behaviour worked around** (0.28.1, horovod/runner/elastic/driver.py
+and registration.py): after a failure the driver forms the next world only once
+every slot of the old one has recorded a state, READY (the worker asked for its
+new rank) or SUCCESS/FAILURE (the command that runs it, ``ssh <host> ...``,
+exited). A host cut off silently (a link or switch down, no reset) never
+answers, and its ssh session, without a keepalive, never ends: the survivors
+wait until the link heals. Only blacklisting a host makes the driver end that
+host's sessions (its host event, common/util/safe_shell_exec.py), and a host
+that discovery merely stops listing keeps them. So ``hvd-adapt-discover``,
+which the driver runs every poll and which probes the hosts' sshd anyway, ends
+the sessions of a host that has stopped answering (:func:`end`): the command
+exits non-zero, the driver records the slot's failure, blacklists the host for
+its cooldown and forms the next world from the hosts left.
+
+How the sessions are found: Horovod runs each command, the discovery script
+included, through ``safe_shell_exec``, whose middleman process (a
+``multiprocessing`` spawn child of the driver) starts a session of its own
+(``setsid``). So this script's session leader is such a middleman, its parent
+is the driver, and the driver's other sessions hold its commands; a process
+there whose program is ``ssh`` or ``kubectl`` (the MPI Operator's
+``kubexec.sh``) and which names the host as a whole argument is that host's
+session. Run any other way (by hand, from a test), no driver is found and
+nothing is ended. Linux only (``/proc``); elsewhere nothing is found.
+
+Standard library only.
+
+>>> find_driver(pid=1) is None
+True
+"""
+import os
+import shutil
+import signal
+import subprocess
+
+# The programs that carry a worker's command to its host: Horovod's ssh command
+# (runner/util/remote.py), or kubectl under the MPI Operator's kubexec.sh.
+REMOTE_PROGRAMS = ("ssh", "kubectl")
+# How a multiprocessing spawn child (Horovod's safe_shell_exec middleman) is started.
+SPAWN_MARK = "--multiprocessing-fork"
+
+
+def _argv(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def _stat(pid):
+    """``(ppid, sid)`` of ``pid``, or None where it is gone (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after it.
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def find_driver(pid=None):
+    """The pid of the elastic driver that runs this process as its discovery script
+    (through a middleman that leads this session), or None when it is run any other way."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        leader = os.getsid(pid)
+    except OSError:
+        return None
+    if leader == pid or SPAWN_MARK not in _argv(leader):
+        return None
+    stat = _stat(leader)
+    if stat is None or stat[0] <= 1:
+        return None
+    return stat[0]
+
+
+def sessions(driver, hosts):
+    """``{host: [pids]}``: the driver's processes (outside this process's session) that
+    carry a command to one of ``hosts``."""
+    if driver is None or not hosts:
+        return {}
+    own_session = os.getsid(0)
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    middlemen = {pid for pid, (ppid, sid) in table.items()
+                 if ppid == driver and sid == pid and pid != own_session}
+    found = {}
+    for pid, (_, sid) in table.items():
+        if sid not in middlemen:
+            continue
+        argv = _argv(pid)
+        if not argv or os.path.basename(argv[0]) not in REMOTE_PROGRAMS:
+            continue
+        for host in hosts:
+            if host in argv[1:]:
+                found.setdefault(host, []).append(pid)
+    return found
+
+
+def end(pids):
+    """End these sessions (SIGKILL: the link is gone, there is nothing to flush); the
+    pids that were still there."""
+    ended = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ended.append(pid)
+        except ProcessLookupError:
+            pass
+    return ended
+
+
+def keepalive_off(host, timeout=5.0):
+    """True where ssh's effective settings for ``host`` (``ssh -G``) have no keepalive
+    (``ServerAliveInterval 0``); False where they have one or ssh cannot say."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return False
+    try:
+        out = subprocess.run([ssh, "-G", host], capture_output=True, text=True,
+                             timeout=timeout, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key.lower() == "serveraliveinterval":
+            return value.strip() == "0"
+    return False
