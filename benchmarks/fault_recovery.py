@@ -1,22 +1,32 @@
 """What one host's failure costs a 3-host elastic job, on the namespace cluster of tests/cluster.
 
-Builds three network-namespace hosts with an sshd each (root needed), runs
-tests/cluster/faults.py's job (elastic horovodrun on h1 over real ssh to
-h1, h2, h3; AdamW, a GradScaler, autoscaling) and injects a fault in h3 once
-the job has committed 6 steps. Per fault and configuration, over ``--runs``
-runs: the survivors' pause (fault to their next commit), median and range,
-and how the job ended. Configurations, in the same invocation and on the
-same bed:
+Builds three network-namespace hosts with an sshd each (root needed; ssh
+without keepalive, as ssh's defaults have it, unless ``--ssh-keepalive``),
+runs tests/cluster/faults.py's job (elastic horovodrun on h1 over real ssh
+to h1, h2, h3; AdamW, a GradScaler, autoscaling) and injects a fault in h3
+once the job has committed 6 steps. Per fault and configuration, over
+``--runs`` runs: the survivors' pause (the longest time without a commit
+from the fault on: for a failure, until the survivors commit again; for the
+cold joiner, the grow's), median and range, and how the job ended.
+Configurations, in the same invocation and on the same bed:
 
-- ``hvd_adapt``: this tree (workers meet before Gloo; Gloo timeout 5 s);
-- ``before``: the main branch's hvd_adapt (``--before-tree``, a checkout of
-  it; Gloo timeout 60 s, no meeting);
-- ``horovod``: the same with Horovod's default Gloo timeout (30 s), as a
-  plain ``hvd.elastic.run`` job has it.
+- ``hvd_adapt``: this tree, with ``hvd-adapt-discover`` wrapping the host
+  list (workers meet before Gloo; Gloo timeout 5 s; the sshd probe ends a
+  lost host's sessions);
+- ``before``: hvd_adapt before the fault work (``--before-tree``, a checkout
+  of 570b1ba~1; Gloo timeout 60 s, no meeting), with its own
+  ``hvd-adapt-discover``;
+- ``horovod``: the same with Horovod's default Gloo timeout (30 s) and a
+  plain discovery script (the host list), as a plain ``hvd.elastic.run``
+  job has it.
 
-    python benchmarks/fault_recovery.py --before-tree /tmp/main-src [--runs 3]
-        [--faults crash_dropped crash_listed] [--configs hvd_adapt before horovod]
-        [--json fault_recovery.json]
+The anchors (``before``, ``horovod``) may run fewer times and for less
+(``--anchor-runs``, ``--anchor-after-fault``): where they hang, the outcome
+says "not done N s after the fault".
+
+    python benchmarks/fault_recovery.py --before-tree /tmp/before-src [--runs 3]
+        [--faults partition_dropped partition_listed] [--configs hvd_adapt before horovod]
+        [--anchor-runs 1] [--anchor-after-fault 60] [--json fault_recovery.json]
 """
 import argparse
 import os
@@ -32,38 +42,46 @@ import faults  # noqa: E402
 import record  # noqa: E402  (benchmarks/record.py, beside this script)
 
 
-def crash_dropped(bed, job):
-    job.set_hosts(["h1:1", "h2:1"])
-    bed.crash("h3")
+def cold_joiner(bed, job):
+    job.set_hosts(faults.ALL)
 
 
-def crash_listed(bed, job):
-    bed.crash("h3")
-
-
-FAULTS = {"crash_dropped": crash_dropped, "crash_listed": crash_listed}
+# One entry per fault: what is injected, and how the job differs from the default one.
+FAULTS = {
+    "crash_dropped": (faults.crash_dropped, {}),
+    "crash_listed": (faults.crash_listed, {"env": {"HVD_ADAPT_START_TIMEOUT_SECONDS": "10"}}),
+    "partition_dropped": (faults.partition_dropped, {}),
+    "partition_listed": (faults.partition_listed, {}),
+    "cold_joiner": (cold_joiner, {"hosts": ["h1:1", "h2:1"], "np": 2,
+                                  "worker_args": ["--slow-join", "20"]}),
+}
 
 
 def config_env(name, before_tree):
     if name == "hvd_adapt":
         return {"PYTHONPATH": ROOT}
     if before_tree is None:
-        raise SystemExit(f"configuration {name!r} needs --before-tree (a checkout of main)")
+        raise SystemExit(f"configuration {name!r} needs --before-tree (a checkout of "
+                         "570b1ba~1, before the fault work)")
     env = {"PYTHONPATH": os.path.abspath(before_tree)}
     if name == "horovod":
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = "30"
     return env
 
 
-def one_run(bed, fault, env, folder, after_fault):
-    job = faults.run_fault(bed, tempfile.mkdtemp(dir=folder), FAULTS[fault], env=env,
-                           after_fault=after_fault)
+def one_run(bed, fault, config, env, folder, after_fault):
+    inject, options = FAULTS[fault]
+    options = dict(options)
+    env = {**options.pop("env", {}), **env}
+    job = faults.run_fault(bed, tempfile.mkdtemp(dir=folder), inject, env=env,
+                           after_fault=after_fault, wrapped_discovery=config != "horovod",
+                           **options)
     try:
-        stall = job.stall()
+        stall = job.longest_pause()
         if job.returncode == 0:
             outcome = "trained"
         elif job.returncode == "timeout":
-            outcome = f"not done {after_fault} s after the fault"
+            outcome = f"not done {after_fault:g} s after the fault"
         else:
             outcome = f"died (exit {job.returncode})"
         return stall, outcome
@@ -78,27 +96,46 @@ def main():
     parser.add_argument("--configs", nargs="+", choices=("hvd_adapt", "before", "horovod"),
                         default=["hvd_adapt", "before", "horovod"])
     parser.add_argument("--before-tree", default=None,
-                        help="a checkout of the main branch, for the 'before' and 'horovod' "
-                             "configurations")
+                        help="a checkout of 570b1ba~1 (hvd_adapt before the fault work), "
+                             "for the 'before' and 'horovod' configurations")
     parser.add_argument("--after-fault", type=float, default=200,
                         help="seconds a job may take after its fault before it is stopped")
+    parser.add_argument("--anchor-runs", type=int, default=None,
+                        help="runs of the 'before' and 'horovod' configurations (default "
+                             "--runs)")
+    parser.add_argument("--anchor-after-fault", type=float, default=None,
+                        help="--after-fault of the 'before' and 'horovod' configurations "
+                             "(default --after-fault)")
+    parser.add_argument("--ssh-keepalive", action="store_true",
+                        help="ssh with ServerAliveInterval 2 and ServerAliveCountMax 3 "
+                             "(docs/elastic.md), as the fallback without hvd-adapt-discover")
     parser.add_argument("--json", default=None,
                         help="also record the runs under benchmarks/results/ (RESULTS.md)")
     args = parser.parse_args()
-    if args.runs < 1:
-        parser.error(f"--runs must be >= 1, got {args.runs}")
+    for name in ("runs", "anchor_runs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("after_fault", "anchor_after_fault"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number > 0, "
+                         f"got {getattr(args, name)}")
     reason = cluster.missing()
     if reason:
         raise SystemExit(f"fault_recovery.py: {reason}")
     folder = tempfile.mkdtemp(prefix="hvd_adapt_fault_recovery_")
     rows = []
     print(f"{'fault':15} {'configuration':10} {'pause s: median (min-max)':28} outcomes")
-    with cluster.Bed(3, ssh_options=cluster.KEEPALIVE, root=folder) as bed:
+    keepalive = cluster.KEEPALIVE if args.ssh_keepalive else None
+    with cluster.Bed(3, ssh_options=keepalive, root=folder) as bed:
         for fault in args.faults:
             for name in args.configs:
                 env = config_env(name, args.before_tree)
-                results = [one_run(bed, fault, env, folder, args.after_fault)
-                           for _ in range(args.runs)]
+                anchor = name != "hvd_adapt"
+                runs = (args.anchor_runs or args.runs) if anchor else args.runs
+                after_fault = ((args.anchor_after_fault or args.after_fault) if anchor
+                               else args.after_fault)
+                results = [one_run(bed, fault, name, env, folder, after_fault)
+                           for _ in range(runs)]
                 stalls = [s for s, _ in results if s is not None]
                 pause = (f"{statistics.median(stalls):.1f} ({min(stalls):.1f}-{max(stalls):.1f})"
                          if stalls else "-")
@@ -107,7 +144,9 @@ def main():
                 rows.append({"fault": fault, "config": name,
                              "runs": [{"pause_s": s, "outcome": o} for s, o in results]})
     if args.json:
-        record.write(args.json, {"rows": rows, "after_fault_s": args.after_fault})
+        record.write(args.json, {"rows": rows, "after_fault_s": args.after_fault,
+                                 "anchor_after_fault_s": args.anchor_after_fault,
+                                 "ssh_keepalive": args.ssh_keepalive})
 
 
 if __name__ == "__main__":

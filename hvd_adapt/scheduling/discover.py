@@ -29,7 +29,14 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    flight), for ``--hold`` seconds after a resize (the new world's first
    steps are slow), and while the hints are older than ``--stale-after``
    seconds;
-4. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
+4. under Horovod's driver, ends the job's ssh sessions to a host whose
+   sshd has missed every probe for ``--lost-after`` seconds (3 probes at
+   least, each missed one probed again for 1 s): Horovod's driver waits for
+   a lost worker's session to end before it forms the next world, and a
+   host cut off silently never ends it (:mod:`.sessions`). A host that
+   answers keeps its sessions, listed or not: a host the base drops while
+   it answers leaves gracefully, as below;
+5. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
    small state file (``--state``; by default in this user's private runtime
    folder), for the next run.
 

@@ -84,7 +84,11 @@ def sessions(driver, hosts):
         return {}
     own_session = os.getsid(0)
     table = {}
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:        # no /proc: nothing can be found, nothing is ended
+        return {}
+    for name in names:
         if name.isdigit():
             stat = _stat(int(name))
             if stat is not None:
@@ -112,7 +116,7 @@ def end(pids):
         try:
             os.kill(pid, signal.SIGKILL)
             ended.append(pid)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):    # gone, or its pid reused
             pass
     return ended
 

@@ -59,6 +59,15 @@ class FaultJob:
                        if entry["time"] > self.fault_time)
         return after[0] - self.fault_time if after else None
 
+    def longest_pause(self):
+        """The longest time without a commit from the fault to the job's end: the
+        survivors' pause after a failure, the grow's after a joiner came (None before a
+        commit after the fault)."""
+        times = sorted({entry["time"] for entry in self.commits if entry["time"] > self.fault_time})
+        if not times:
+            return None
+        return max(b - a for a, b in zip([self.fault_time] + times, times))
+
     def describe(self):
         return f"exit {self.returncode}, output:\n{self.output[-5000:]}"
 

@@ -1,0 +1,74 @@
+"""hvd-adapt-discover ends the sessions of a host that stopped answering, under Horovod's
+real safe_shell_exec (hvd_adapt/scheduling/sessions.py): a small "driver" runs one command
+per host as Horovod does (a middleman in a session of its own; the command's program named
+``ssh``, the host an argument) and then runs the discovery through the same helper."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from hvd_adapt.scheduling import sessions
+
+# The driver: a session per host (argv "ssh -c <sleep> <host>", a Python that sleeps), then the discovery
+# four times, as Horovod's driver polls; it prints each session's exit code (None: still
+# running) and exits (safe_shell_exec's middlemen end what is left when it is gone).
+DRIVER = r"""
+import json, os, sys, threading, time
+from horovod.runner.common.util import safe_shell_exec
+codes = {}
+def session(host):
+    codes[host] = safe_shell_exec.execute(
+        f"bash -c 'exec -a ssh {sys.executable} -c \"import time; time.sleep(60)\" {host}'")
+hosts = json.loads(sys.argv[2])
+for host in hosts:
+    threading.Thread(target=session, args=(host,), daemon=True).start()
+time.sleep(1)
+for _ in range(4):
+    safe_shell_exec.execute(sys.argv[1])
+    time.sleep(0.3)
+time.sleep(1)
+print(json.dumps({host: codes.get(host) for host in hosts}), flush=True)
+os._exit(0)    # not multiprocessing's join of the middlemen: they end their commands
+"""
+
+
+def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
+    # 127.0.0.2 answers on the port (a listener), 127.0.0.3 refuses: it is "lost".
+    # 127.0.0.4 answers too but the base no longer lists it (a scheduler's graceful
+    # removal): its session stays. 127.0.0.5 is lost but its "session" is no ssh.
+    with socket.socket() as listener, socket.socket() as other:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        other.bind(("127.0.0.4", port))
+        other.listen(16)
+        (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.3\n127.0.0.5\n")
+        discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
+                     f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
+                     f"--state {tmp_path}/state.json --min-np 1")
+        hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        out = subprocess.run([sys.executable, "-c", DRIVER, discovery, json.dumps(hosts)],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    codes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert codes["127.0.0.3"] not in (None, 0), out     # ended: the driver sees a failure
+    assert codes["127.0.0.2"] is None and codes["127.0.0.4"] is None, out
+    assert out.stderr.count("ending the job's 1 session(s)") == 1, out.stderr
+    assert "127.0.0.3 has not answered" in out.stderr, out.stderr
+
+
+def test_run_by_hand_it_finds_no_driver_and_ends_nothing():
+    assert sessions.find_driver() is None
+    assert sessions.sessions(None, ["127.0.0.3"]) == {}
+
+
+def test_lost_after_is_checked(capsys):
+    from hvd_adapt.scheduling import discover
+    for bad in ("-1", "nan", "inf"):
+        try:
+            discover.main(["--hostfile", "x", "--lost-after", bad])
+        except SystemExit as e:
+            assert e.code == 2
+        assert f"--lost-after must be a finite number >= 0 (0: never), got {float(bad)}" in \
+            capsys.readouterr().err
