@@ -143,10 +143,10 @@ def main():
                 print(f"{fault:15} {name:10} {pause:28} {outcomes}", flush=True)
                 rows.append({"fault": fault, "config": name,
                              "runs": [{"pause_s": s, "outcome": o} for s, o in results]})
-    if args.json:
-        record.write(args.json, {"rows": rows, "after_fault_s": args.after_fault,
-                                 "anchor_after_fault_s": args.anchor_after_fault,
-                                 "ssh_keepalive": args.ssh_keepalive})
+                if args.json:    # after every row: a long invocation cut short keeps its rows
+                    record.write(args.json, {"rows": rows, "after_fault_s": args.after_fault,
+                                             "anchor_after_fault_s": args.anchor_after_fault,
+                                             "ssh_keepalive": args.ssh_keepalive})
 
 
 if __name__ == "__main__":
