@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from hvd_adapt.scheduling.probe import reachable
+from hvd_adapt.scheduling.probe import answers, reachable
 
 
 @pytest.fixture
@@ -43,3 +43,16 @@ def test_a_name_stuck_in_resolution_does_not_hold_the_probe(listening_port, monk
     probe.join()
     assert finished, "the probe waited for a lookup past its deadline"
     assert result["answered"] == {"127.0.0.1"}
+
+
+def test_a_refusal_is_an_answer_and_silence_is_not(listening_port):
+    # 127.0.0.2 refuses (nothing listens there); 127.0.0.3's listener has a full accept
+    # queue, so the kernel drops new SYNs: silence, as from a host cut off; a name that
+    # does not resolve is left out (the name service's silence, not the host's).
+    with socket.socket() as full:
+        full.bind(("127.0.0.3", listening_port))
+        full.listen(0)
+        with socket.create_connection(("127.0.0.3", listening_port), timeout=5):
+            said = answers(["127.0.0.1", "127.0.0.2", "127.0.0.3", "no-such-host.invalid"],
+                           listening_port, timeout=0.5)
+    assert said == {"127.0.0.1": True, "127.0.0.2": False, "127.0.0.3": None}

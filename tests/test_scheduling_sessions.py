@@ -10,19 +10,19 @@ import sys
 
 from hvd_adapt.scheduling import sessions
 
-# The driver: a session per host (argv "ssh -c <sleep> <host>", a Python that sleeps), then the discovery
-# four times, as Horovod's driver polls; it prints each session's exit code (None: still
+# The driver: a session per host (argv "<program> -c <sleep> <host>", a sleeping Python),
+# then the discovery four times, as Horovod's driver polls; it prints each session's exit code (None: still
 # running) and exits (safe_shell_exec's middlemen end what is left when it is gone).
 DRIVER = r"""
 import json, os, sys, threading, time
 from horovod.runner.common.util import safe_shell_exec
 codes = {}
-def session(host):
+def session(host, program):
     codes[host] = safe_shell_exec.execute(
-        f"bash -c 'exec -a ssh {sys.executable} -c \"import time; time.sleep(60)\" {host}'")
+        f"bash -c 'exec -a {program} {sys.executable} -c \"import time; time.sleep(60)\" {host}'")
 hosts = json.loads(sys.argv[2])
-for host in hosts:
-    threading.Thread(target=session, args=(host,), daemon=True).start()
+for host, program in hosts.items():
+    threading.Thread(target=session, args=(host, program), daemon=True).start()
 time.sleep(1)
 for _ in range(4):
     safe_shell_exec.execute(sys.argv[1])
@@ -33,29 +33,49 @@ os._exit(0)    # not multiprocessing's join of the middlemen: they end their com
 """
 
 
+def silent_listener(address, port):
+    """A listener on ``address`` whose accept queue is full: the kernel drops new
+    connections' SYNs, so a probe hears nothing, as from a host cut off. The sockets to
+    close afterwards."""
+    server = socket.socket()
+    server.bind((address, port))
+    server.listen(0)
+    filler = socket.create_connection((address, port), timeout=5)
+    return [filler, server]
+
+
 def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
-    # 127.0.0.2 answers on the port (a listener), 127.0.0.3 refuses: it is "lost".
-    # 127.0.0.4 answers too but the base no longer lists it (a scheduler's graceful
-    # removal): its session stays. 127.0.0.5 is lost but its "session" is no ssh.
+    # 127.0.0.2 accepts on the port. 127.0.0.5 says nothing (a full accept queue), as a
+    # host cut off: it is lost. 127.0.0.4 accepts but the base no longer lists it (a
+    # scheduler's graceful removal): its session stays. 127.0.0.3 refuses (up, its sshd
+    # restarting): its session stays. 127.0.0.6 is silent too but its command is no ssh.
     with socket.socket() as listener, socket.socket() as other:
         listener.bind(("127.0.0.2", 0))
         listener.listen(16)
         port = listener.getsockname()[1]
         other.bind(("127.0.0.4", port))
         other.listen(16)
-        (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.3\n127.0.0.5\n")
-        discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
-                     f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
-                     f"--state {tmp_path}/state.json --min-np 1")
-        hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-        out = subprocess.run([sys.executable, "-c", DRIVER, discovery, json.dumps(hosts)],
-                             capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        silent = silent_listener("127.0.0.5", port) + silent_listener("127.0.0.6", port)
+        try:
+            (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.5\n127.0.0.3\n127.0.0.6\n")
+            discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
+                         f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
+                         f"--state {tmp_path}/state.json --min-np 1")
+            hosts = {"127.0.0.2": "ssh", "127.0.0.5": "ssh", "127.0.0.4": "ssh",
+                     "127.0.0.3": "ssh", "127.0.0.6": "worker"}
+            out = subprocess.run(
+                [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts)],
+                capture_output=True, text=True, timeout=120,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        finally:
+            for sock in silent:
+                sock.close()
     codes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert codes["127.0.0.3"] not in (None, 0), out     # ended: the driver sees a failure
+    assert codes["127.0.0.5"] not in (None, 0), out     # ended: the driver sees a failure
     assert codes["127.0.0.2"] is None and codes["127.0.0.4"] is None, out
+    assert codes["127.0.0.3"] is None and codes["127.0.0.6"] is None, out
     assert out.stderr.count("ending the job's 1 session(s)") == 1, out.stderr
-    assert "127.0.0.3 has not answered" in out.stderr, out.stderr
+    assert "127.0.0.5 has said nothing" in out.stderr, out.stderr
 
 
 def test_run_by_hand_it_finds_no_driver_and_ends_nothing():

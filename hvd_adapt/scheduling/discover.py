@@ -29,13 +29,14 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    flight), for ``--hold`` seconds after a resize (the new world's first
    steps are slow), and while the hints are older than ``--stale-after``
    seconds;
-4. under Horovod's driver, ends the job's ssh sessions to a host whose
-   sshd has missed every probe for ``--lost-after`` seconds (3 probes at
-   least, each missed one probed again for 1 s): Horovod's driver waits for
-   a lost worker's session to end before it forms the next world, and a
-   host cut off silently never ends it (:mod:`.sessions`). A host that
-   answers keeps its sessions, listed or not: a host the base drops while
-   it answers leaves gracefully, as below;
+4. under Horovod's driver, ends the job's ssh sessions to a host that has
+   said nothing (no connection, no refusal) to every probe for
+   ``--lost-after`` seconds (2 probes at least, each missed one probed
+   again for 1 s): Horovod's driver waits for a lost worker's session to
+   end before it forms the next world, and a host cut off silently never
+   ends it (:mod:`.sessions`). A host that answers, or refuses (it is up:
+   its sshd restarting), keeps its sessions, listed or not: a host the base
+   drops while it answers leaves gracefully, as below;
 5. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
    small state file (``--state``; by default in this user's private runtime
    folder), for the next run.
@@ -66,9 +67,12 @@ from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
 from .ready import ready_count
 
-# A host's sessions are ended only after this many missed probes in a row (and
-# --lost-after seconds): one slow answer of a loaded host is not a partition.
-LOST_PROBES = 3
+# A host's sessions are ended only after this many silent probes in a row (and
+# --lost-after seconds), each of them given 1 s (SECOND_PROBE_SECONDS): one slow
+# answer of a loaded host, or one lost SYN, is not a partition. Two, not three: under
+# load a run of this script takes 1-2 s, and a third probe pushed the end of a lost
+# host's sessions past Gloo's 5 s, into the survivors' pause.
+LOST_PROBES = 2
 # The second, longer probe of a host offered last or with sessions that missed the first.
 SECOND_PROBE_SECONDS = 1.0
 
@@ -117,37 +121,41 @@ def candidates(base, previous, answering=None, ready=None):
 
 
 def probe_hosts(args, hosts, second_chance):
-    """The ``hosts`` whose sshd answers, all probed at once within ``--probe-timeout``;
-    those of ``second_chance`` that missed it are probed once more, for
-    ``SECOND_PROBE_SECONDS``: a loaded host is not dropped, nor its sessions ended, for
-    one slow answer. None without the check (``--ssh-port 0``)."""
+    """``(answering, silent)``: the ``hosts`` whose sshd accepted a connection, all probed
+    at once within ``--probe-timeout``, and those that said nothing at all (no refusal:
+    down, or cut off). Those of ``second_chance`` that did not accept are probed once
+    more, for ``SECOND_PROBE_SECONDS``: a loaded host is not dropped, nor its sessions
+    ended, for one slow answer. ``(None, set())`` without the check (``--ssh-port 0``)."""
     if not args.ssh_port:
-        return None
-    from .probe import reachable      # sockets only when there is a host to probe
-    answering = reachable(hosts, args.ssh_port, args.probe_timeout) if hosts else set()
-    missed = [host for host in second_chance if host not in answering]
+        return None, set()
+    from .probe import answers      # sockets only when there is a host to probe
+    said = answers(hosts, args.ssh_port, args.probe_timeout) if hosts else {}
+    missed = [host for host in second_chance if said.get(host) is not True]
     if missed:
-        answering |= reachable(missed, args.ssh_port,
-                               max(args.probe_timeout, SECOND_PROBE_SECONDS))
-    return answering
+        said.update(answers(missed, args.ssh_port,
+                            max(args.probe_timeout, SECOND_PROBE_SECONDS)))
+    return ({host for host, value in said.items() if value},
+            {host for host, value in said.items() if value is None})
 
 
-def end_lost_sessions(args, live, answering, unanswered, now):
-    """End the driver's sessions (``live``: ``{host: pids}``) to each host whose sshd has
-    missed every probe for ``--lost-after`` seconds and at least ``LOST_PROBES`` probes
-    (:mod:`.sessions` says why); the ``{host: [first missed at, probes missed]}`` to
-    remember for the hosts still being judged."""
+def end_lost_sessions(args, live, silent, unanswered, now):
+    """End the driver's sessions (``live``: ``{host: pids}``) to each host that has said
+    nothing (``silent``: no connection, no refusal) to every probe for ``--lost-after``
+    seconds and at least ``LOST_PROBES`` probes (:mod:`.sessions` says why); the ``{host:
+    [first missed at, probes missed]}`` to remember for the hosts still being judged. A
+    host that refuses is up (its sshd restarting, say): its sessions may be fine, and a
+    crashed host's own kernel ends them."""
     from .sessions import end
     judged = {}
     for host, pids in live.items():
-        if answering is None or host in answering:
+        if host not in silent:
             continue
         first, missed = unanswered.get(host, [now, 0])
         missed += 1
         if missed >= LOST_PROBES and now - first >= args.lost_after:
             ended = end(pids)
             sys.stderr.write(
-                f"hvd-adapt-discover: {host} has not answered on port {args.ssh_port} for "
+                f"hvd-adapt-discover: {host} has said nothing on port {args.ssh_port} for "
                 f"{now - first:.1f} s ({missed} probes): ending the job's {len(ended)} "
                 f"session(s) to it, so that Horovod's driver counts its workers as failed\n")
         else:
@@ -303,9 +311,9 @@ def discover(args, now=None):
         live = sessions(find_driver(), set(state.get("watch", [])) | set(state["hosts"])
                         | {host for host, _ in base})
     new = [host for host, _ in base if host not in state["hosts"]]
-    answering = probe_hosts(args, new + list(state["hosts"]) + list(live),
-                            list(state["hosts"]) + list(live))
-    unanswered = end_lost_sessions(args, live, answering, state.get("unanswered", {}), now)
+    answering, silent = probe_hosts(args, new + list(state["hosts"]) + list(live),
+                                    list(state["hosts"]) + list(live))
+    unanswered = end_lost_sessions(args, live, silent, state.get("unanswered", {}), now)
     memory = {"watch": sorted(live), "unanswered": unanswered, "keepalive_checked": True}
     if not base and previous:
         problems.append(f"the base discovery listed no usable host; keeping the current "
@@ -378,8 +386,9 @@ def parser():
                         "a host offered last or with sessions that missed it gets a second "
                         "probe of 1 s")
     p.add_argument("--lost-after", type=float, default=3.0,
-                   help="end the job's ssh sessions to a host whose port has missed every "
-                        "probe (3 at least) for this many seconds, so that Horovod's driver "
+                   help="end the job's ssh sessions to a host that has said nothing (no "
+                        "connection, no refusal) to every probe (2 at least) for this many "
+                        "seconds, so that Horovod's driver "
                         "counts its workers as failed instead of waiting for the link to "
                         "heal (default 3; 0: never)")
     p.add_argument("--standby-dir", default=None,
