@@ -46,12 +46,14 @@ def cold_joiner(bed, job):
     job.set_hosts(faults.ALL)
 
 
+# A lost host's blacklist outlasts hvd-adapt-discover's FREEZE_AFTER_END (docs/elastic.md).
+COOLDOWN = ["--blacklist-cooldown-range", "7", "10"]
 # One entry per fault: what is injected, and how the job differs from the default one.
 FAULTS = {
     "crash_dropped": (faults.crash_dropped, {}),
     "crash_listed": (faults.crash_listed, {"env": {"HVD_ADAPT_START_TIMEOUT_SECONDS": "10"}}),
-    "partition_dropped": (faults.partition_dropped, {}),
-    "partition_listed": (faults.partition_listed, {}),
+    "partition_dropped": (faults.partition_dropped, {"launcher_args": COOLDOWN}),
+    "partition_listed": (faults.partition_listed, {"launcher_args": COOLDOWN}),
     "cold_joiner": (cold_joiner, {"hosts": ["h1:1", "h2:1"], "np": 2,
                                   "worker_args": ["--slow-join", "20"]}),
 }

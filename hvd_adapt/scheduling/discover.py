@@ -73,6 +73,11 @@ from .ready import ready_count
 # load a run of this script takes 1-2 s, and a third probe pushed the end of a lost
 # host's sessions past Gloo's 5 s, into the survivors' pause.
 LOST_PROBES = 2
+# How long the offer stays unchanged after a lost host's sessions were ended: the
+# survivors notice within Gloo's timeout (5 s, hvd_adapt/_runtime/gloo.py), after which
+# the driver forms the next world without the host (blacklisted for its cooldown; a
+# cooldown shorter than this would let the driver launch on the lost host again).
+FREEZE_AFTER_END = 6.0
 # The second, longer probe of a host offered last or with sessions that missed the first.
 SECOND_PROBE_SECONDS = 1.0
 
@@ -138,13 +143,13 @@ def probe_hosts(args, hosts, second_chance):
             {host for host, value in said.items() if value is None})
 
 
-def end_lost_sessions(args, live, silent, unanswered, now):
+def end_lost_sessions(args, live, silent, unanswered, ended_at, now):
     """End the driver's sessions (``live``: ``{host: pids}``) to each host that has said
     nothing (``silent``: no connection, no refusal) to every probe for ``--lost-after``
-    seconds and at least ``LOST_PROBES`` probes (:mod:`.sessions` says why); the ``{host:
-    [first missed at, probes missed]}`` to remember for the hosts still being judged. A
-    host that refuses is up (its sshd restarting, say): its sessions may be fine, and a
-    crashed host's own kernel ends them."""
+    seconds and at least ``LOST_PROBES`` probes (:mod:`.sessions` says why), noting when
+    in ``ended_at``; the ``{host: [first missed at, probes missed]}`` to remember for the
+    hosts still being judged. A host that refuses is up (its sshd restarting, say): its
+    sessions may be fine, and a crashed host's own kernel ends them."""
     from .sessions import end
     judged = {}
     for host, pids in live.items():
@@ -154,6 +159,7 @@ def end_lost_sessions(args, live, silent, unanswered, now):
         missed += 1
         if missed >= LOST_PROBES and now - first >= args.lost_after:
             ended = end(pids)
+            ended_at[host] = now
             sys.stderr.write(
                 f"hvd-adapt-discover: {host} has said nothing on port {args.ssh_port} for "
                 f"{now - first:.1f} s ({missed} probes): ending the job's {len(ended)} "
@@ -231,8 +237,8 @@ def load_state(path):
     """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
     {ready file: [mtime_ns, change seen at]}, "said": [problems said], "watch": [hosts the
     job had sessions to], "unanswered": {host: [first missed probe at, probes missed]},
-    "keepalive_checked": bool}``; a fresh one where there is no state file or it is not
-    one (the reason on stderr). A file of another user, or one others may write, raises
+    "ended": {host: its sessions ended at}, "keepalive_checked": bool}``; a fresh one
+    where there is no state file or it is not one (the reason on stderr). A file of another user, or one others may write, raises
     :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
     try:
         state = json.loads(read_own_file(path, limit=1 << 20))
@@ -257,11 +263,15 @@ def load_state(path):
         if not all(valid_host(h) and isinstance(v, list) and len(v) == 2 and _finite(v[0])
                    and type(v[1]) is int and v[1] > 0 for h, v in unanswered.items()):
             raise ValueError("a missed probe record is not valid")
+        ended = state.get("ended", {})
+        if not all(valid_host(h) and _finite(v) for h, v in ended.items()):
+            raise ValueError("a time of ended sessions is not valid")
         checked = state.get("keepalive_checked", False)
         if type(checked) is not bool:
             raise ValueError("keepalive_checked is not a boolean")
         return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said,
-                "watch": watch, "unanswered": unanswered, "keepalive_checked": checked}
+                "watch": watch, "unanswered": unanswered, "ended": ended,
+                "keepalive_checked": checked}
     except FileNotFoundError:
         pass
     except UnsafePathError:
@@ -313,12 +323,27 @@ def discover(args, now=None):
     new = [host for host, _ in base if host not in state["hosts"]]
     answering, silent = probe_hosts(args, new + list(state["hosts"]) + list(live),
                                     list(state["hosts"]) + list(live))
-    unanswered = end_lost_sessions(args, live, silent, state.get("unanswered", {}), now)
-    memory = {"watch": sorted(live), "unanswered": unanswered, "keepalive_checked": True}
-    if not base and previous:
-        problems.append(f"the base discovery listed no usable host; keeping the current "
-                        f"{sum(s for _, s in previous)} worker(s) on "
-                        f"{', '.join(f'{h}:{s}' for h, s in previous)}")
+    ended_at = {host: at for host, at in state.get("ended", {}).items()
+                if 0 <= now - at < FREEZE_AFTER_END}
+    unanswered = end_lost_sessions(args, live, silent, state.get("unanswered", {}), ended_at,
+                                   now)
+    memory = {"watch": sorted(live), "unanswered": unanswered, "ended": ended_at,
+              "keepalive_checked": True}
+    frozen = sorted(set(unanswered) | set(ended_at))
+    if previous and (frozen or not base):
+        # Any change of the offer makes Horovod's driver notify the world's rank 0 from
+        # its discovery thread, over a socket with no timeout (elastic/driver.py,
+        # _notify_workers_host_changes), while it holds the lock that forming the next
+        # world needs: with rank 0 on a host cut off, the whole driver waits minutes.
+        # So the offer stays as it is while a host of the world is being judged, and for
+        # FREEZE_AFTER_END after its sessions were ended, until the next world is formed.
+        if frozen:
+            problems.append(f"{', '.join(frozen)} said nothing: keeping the current offer "
+                            "until the next world is formed without it")
+        else:
+            problems.append(f"the base discovery listed no usable host; keeping the current "
+                            f"{sum(s for _, s in previous)} worker(s) on "
+                            f"{', '.join(f'{h}:{s}' for h, s in previous)}")
         say_new(problems, state)
         save_state(state_path, {"hosts": previous, "changed_at": state.get("changed_at", 0.0),
                                 "standbys": state.get("standbys", {}), "said": problems,
