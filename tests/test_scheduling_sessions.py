@@ -49,15 +49,21 @@ def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
     # host cut off: it is lost. 127.0.0.4 accepts but the base no longer lists it (a
     # scheduler's graceful removal): its session stays. 127.0.0.3 refuses (up, its sshd
     # restarting): its session stays. 127.0.0.6 is silent too but its command is no ssh.
-    with socket.socket() as listener, socket.socket() as other:
+    # 127.0.0.7 accepts and is new: it is not offered while 127.0.0.5 is judged and for a
+    # while after its sessions were ended (the offer stays as it is until the next world
+    # has formed: Horovod's driver would notify rank 0, perhaps on the lost host).
+    with socket.socket() as listener, socket.socket() as other, socket.socket() as new:
         listener.bind(("127.0.0.2", 0))
         listener.listen(16)
         port = listener.getsockname()[1]
         other.bind(("127.0.0.4", port))
         other.listen(16)
+        new.bind(("127.0.0.7", port))
+        new.listen(16)
         silent = silent_listener("127.0.0.5", port) + silent_listener("127.0.0.6", port)
         try:
-            (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.5\n127.0.0.3\n127.0.0.6\n")
+            (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.5\n127.0.0.3\n127.0.0.6\n"
+                                            "127.0.0.7\n")
             discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
                          f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
                          f"--state {tmp_path}/state.json --min-np 1")
@@ -76,6 +82,8 @@ def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
     assert codes["127.0.0.3"] is None and codes["127.0.0.6"] is None, out
     assert out.stderr.count("ending the job's 1 session(s)") == 1, out.stderr
     assert "127.0.0.5 has said nothing" in out.stderr, out.stderr
+    assert "127.0.0.5 said nothing: keeping the current offer" in out.stderr, out.stderr
+    assert "127.0.0.7" not in out.stderr, out.stderr          # never offered meanwhile
 
 
 def test_run_by_hand_it_finds_no_driver_and_ends_nothing():
