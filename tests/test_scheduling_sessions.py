@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from hvd_adapt.scheduling import sessions
 
 # The driver: a session per host (argv "<program> -c <sleep> <host>", a sleeping Python),
@@ -100,3 +102,15 @@ def test_lost_after_is_checked(capsys):
             assert e.code == 2
         assert f"--lost-after must be a finite number >= 0 (0: never), got {float(bad)}" in \
             capsys.readouterr().err
+
+
+def test_without_the_probe_and_without_keepalive_one_line_names_the_fix(tmp_path, capsys):
+    if not sessions.keepalive_off("h1"):
+        pytest.skip("this user's ssh has a keepalive (or no ssh): nothing to warn about")
+    from test_scheduling_discover import Discovery      # runs with --ssh-port 0
+    run = Discovery(tmp_path, ["h1", "h2"])
+    run()
+    run()
+    err = capsys.readouterr().err
+    assert err.count("ssh to h1 has no keepalive") == 1, err
+    assert "'ServerAliveInterval 2' and 'ServerAliveCountMax 3' in ~/.ssh/config" in err
