@@ -32,11 +32,12 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
 4. under Horovod's driver, ends the job's ssh sessions to a host that has
    said nothing (no connection, no refusal) to every probe for
    ``--lost-after`` seconds (2 probes at least, each missed one probed
-   again for 1 s): Horovod's driver waits for a lost worker's session to
+   again for 1.5 s): Horovod's driver waits for a lost worker's session to
    end before it forms the next world, and a host cut off silently never
-   ends it (:mod:`.sessions`). A host that answers, or refuses (it is up:
-   its sshd restarting), keeps its sessions, listed or not: a host the base
-   drops while it answers leaves gracefully, as below;
+   ends it (:mod:`.sessions`). Meanwhile, and for 6 s after, the offer
+   stays as it is (``FREEZE_AFTER_END``). A host that answers, or refuses
+   (it is up: its sshd restarting), keeps its sessions, listed or not: a
+   host the base drops while it answers leaves gracefully, as below;
 5. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
    small state file (``--state``; by default in this user's private runtime
    folder), for the next run.
@@ -68,18 +69,19 @@ from .rule import DiscoveryRule, assign
 from .ready import ready_count
 
 # A host's sessions are ended only after this many silent probes in a row (and
-# --lost-after seconds), each of them given 1 s (SECOND_PROBE_SECONDS): one slow
-# answer of a loaded host, or one lost SYN, is not a partition. Two, not three: under
-# load a run of this script takes 1-2 s, and a third probe pushed the end of a lost
-# host's sessions past Gloo's 5 s, into the survivors' pause.
+# --lost-after seconds from the first), each of them given SECOND_PROBE_SECONDS: one
+# slow answer of a loaded host is not a partition. Two, not three: under load a run of
+# this script takes about 2 s, and a third probe pushed the end of a lost host's
+# sessions past Gloo's 5 s, into the survivors' pause.
 LOST_PROBES = 2
 # How long the offer stays unchanged after a lost host's sessions were ended: the
 # survivors notice within Gloo's timeout (5 s, hvd_adapt/_runtime/gloo.py), after which
 # the driver forms the next world without the host (blacklisted for its cooldown; a
 # cooldown shorter than this would let the driver launch on the lost host again).
 FREEZE_AFTER_END = 6.0
-# The second, longer probe of a host offered last or with sessions that missed the first.
-SECOND_PROBE_SECONDS = 1.0
+# The second, longer probe of a host offered last or with sessions that missed the first:
+# past Linux's first SYN retransmission (1 s), so one lost packet is not a silent probe.
+SECOND_PROBE_SECONDS = 1.5
 
 
 def standbys_ready(args, base, seen, now, problems):
@@ -409,13 +411,13 @@ def parser():
     p.add_argument("--probe-timeout", type=float, default=0.03,
                    help="seconds to wait for the hosts' ports, all at once (default 0.03); "
                         "a host offered last or with sessions that missed it gets a second "
-                        "probe of 1 s")
-    p.add_argument("--lost-after", type=float, default=3.0,
+                        "probe of 1.5 s")
+    p.add_argument("--lost-after", type=float, default=2.0,
                    help="end the job's ssh sessions to a host that has said nothing (no "
                         "connection, no refusal) to every probe (2 at least) for this many "
                         "seconds, so that Horovod's driver "
                         "counts its workers as failed instead of waiting for the link to "
-                        "heal (default 3; 0: never)")
+                        "heal (default 2; 0: never)")
     p.add_argument("--standby-dir", default=None,
                    help="offer new slots only where a standby worker is ready "
                         "(hvd-adapt-worker --standby)")
