@@ -205,7 +205,9 @@ def fault_section():
         pause = (f"{statistics.median(pauses):.1f} ({pauses[0]:.1f}-{pauses[-1]:.1f})"
                  if pauses else "-")
         outcomes = ", ".join(sorted({run["outcome"] for run in row["runs"]}))
-        rows.append([row["fault"], row["config"], len(row["runs"]), pause, outcomes, "<= 10 s"])
+        # A cold joiner's pause is its whole start-up (20 s slow on purpose): it must join.
+        goal = "joins" if row["fault"] == "cold_joiner" else "<= 10 s"
+        rows.append([row["fault"], row["config"], len(row["runs"]), pause, outcomes, goal])
     return "\n".join(["## What a host's failure costs: `fault_recovery.py`\n",
                       notes("fault_recovery"),
                       table(["fault (h3 of 3)", "configuration", "runs",
