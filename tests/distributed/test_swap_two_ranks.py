@@ -55,3 +55,25 @@ def test_a_full_disk_on_one_rank_fails_the_step_on_every_rank_alike(tmp_path):
         assert "No space left on device (errno ENOSPC)" in reports[rank]["error"], rank
         assert reports[rank]["unchanged"], rank
     assert reports[0]["after"] == reports[1]["after"], "training went on alike"
+
+
+def test_a_step_that_fails_part_way_on_one_rank_is_undone_on_every_rank(tmp_path):
+    reports = run_ranks("swap_faults.py", np=2, args=[tmp_path]).check().reports
+    for rank in (0, 1):
+        steps = {s["label"]: s for s in reports[rank]["steps"]}
+        for label, step in steps.items():
+            assert step["as_in_memory"], (rank, label)
+            assert step["in_memory"], (rank, label)
+            if label[0] in "35":
+                assert step["unchanged"], (rank, label)
+                assert step["error"], (rank, label)
+            else:
+                assert step["error"] is None, (rank, label)
+        own = {"3 rank 0 optimizer error": (0, "RuntimeError: the inner optimizer failed"),
+               "5 rank 1 read EIO": (1, "the file ends there (errno EIO)")}
+        for label, (failing, message) in own.items():
+            assert message in steps[label]["error"], (rank, label)
+            if rank != failing:
+                assert steps[label]["error"].startswith(
+                    "SwapError: [Errno 5] the optimizer step was not taken on any rank"), rank
+                assert f"rank {failing}: " in steps[label]["error"], rank
