@@ -72,8 +72,8 @@ def same(a, b):
 
 
 swapped, memory = build(swap_dir), build(None)
-for model, opt in (swapped, memory):
-    hvd_adapt.State(model=model, optimizer=opt).sync()
+hvd_adapt.State(model=swapped[0], optimizer=swapped[1], reference=memory[0],
+                reference_optimizer=memory[1]).sync()
 data = torch.Generator().manual_seed(100 + rank)
 saved = []
 # (label, the rank whose step fails, how); the reference in memory skips those steps.
