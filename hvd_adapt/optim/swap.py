@@ -424,14 +424,14 @@ class SwappedState:
             specs.append((p, tensors, plain))
         layout = Layout(specs)
 
-        def fill(entry, param, buffer, start, size):
+        def fill(entry, param, target, start, size):
             flat = states[param][entry.key].detach().reshape(-1)
             if flat.dtype != entry.dtype:
-                # Cast a buffer's worth at a time: a mapped checkpoint is never read whole.
+                # Cast a request's worth at a time: a mapped checkpoint is never read whole.
                 width = entry.element_size
                 flat = flat[start // width:(start + size) // width].to(entry.dtype)
                 start = 0
-            buffer.bytes[:size].copy_(flat.view(torch.uint8)[start:start + size])
+            target.copy_(flat.view(torch.uint8)[start:start + size])
 
         self._write_all(layout, fill)
 
@@ -485,44 +485,34 @@ class SwappedState:
         self._set_live(generation, layout)
 
     def _write_all(self, layout, fill):
-        """A new live generation of ``layout``, each entry written a buffer at a time with
-        what ``fill(entry, param, buffer, start, size)`` puts at the buffer's start, as a
-        step writes: the pool's buffers in flight on the I/O threads."""
+        """A new live generation of ``layout``, each entry written a request at a time with
+        what ``fill(entry, param, target, start, size)`` puts in ``target`` (``size`` bytes of
+        the entry from ``start``), through :meth:`_stream`."""
         generation, out = self._create(layout.nbytes)
-        buffers = [self._pool.take() for _ in range(BUFFERS)]
-        idle, writing = list(buffers), []
-        try:
+        slot = self._slot_bytes()
+
+        def tasks():
             for param_layout in layout.params:
                 for entry in param_layout.entries:
-                    for start in range(0, entry.nbytes, self.buffer_bytes):
-                        if not idle:
-                            done, transfer = writing.pop(0)
-                            transfer.wait()
-                            idle.append(done)
-                        buffer = idle.pop()
-                        size = min(self.buffer_bytes, entry.nbytes - start)
-                        fill(entry, param_layout.param, buffer, start, size)
-                        writing.append((buffer, self._submit(
-                            out, buffer, [(entry.offset + start, 0, aligned(size))], True, [])))
-            while writing:
-                writing.pop(0)[1].wait()
+                    for start in range(0, entry.nbytes, slot):
+                        size = min(slot, entry.nbytes - start)
+                        yield entry.offset + start, size, \
+                            lambda target, e=entry, p=param_layout.param, s=start, n=size: \
+                            fill(e, p, target, s, n)
+        try:
+            self._stream(out, tasks(), write=True)
         except BaseException:
-            for _, transfer in writing:
-                transfer.settle()
             out.close()
             self._unlink(generation)
             raise
-        finally:
-            for buffer in buffers:
-                self._pool.give_back(buffer)
         out.close()
         self._set_live(generation, layout)
 
     def move_bytes(self, write):
-        """Move the live generation's size through the pool as a step moves it (the I/O
-        threads, requests of IO_BYTES, every buffer in flight): read the live file, or
-        write a scratch file that is then removed. Returns the bytes moved. For
-        benchmarks/optimizer_swap.py: the swapper's own disk speed, without the optimizer."""
+        """Move the live generation's size through the pool as :meth:`load` moves it: read
+        the live file, or write a scratch file that is then removed. Returns the bytes
+        moved. For benchmarks/optimizer_swap.py: the swapper's own disk speed, without the
+        optimizer."""
         layout = self.layout()
         if layout is None:
             return 0
@@ -530,29 +520,52 @@ class SwappedState:
             generation, file = self._create(layout.nbytes)
         else:
             generation, file = None, self._open(self.live)
-        buffers = [self._pool.take() for _ in range(BUFFERS)]
-        idle, moving = list(buffers), []
+        slot = self._slot_bytes()
         try:
-            for start in range(0, layout.nbytes, self.buffer_bytes):
-                if not idle:
-                    done, transfer = moving.pop(0)
-                    transfer.wait()
-                    idle.append(done)
-                buffer = idle.pop()
-                size = min(self.buffer_bytes, layout.nbytes - start)
-                moving.append((buffer, self._submit(file, buffer, [(start, 0, size)], write,
-                                                    [])))
-            while moving:
-                moving.pop(0)[1].wait()
+            self._stream(file, ((start, min(slot, layout.nbytes - start), None)
+                                for start in range(0, layout.nbytes, slot)), write)
         finally:
-            for _, transfer in moving:
-                transfer.settle()
-            for buffer in buffers:
-                self._pool.give_back(buffer)
             file.close()
             if generation is not None:
                 self._unlink(generation)
         return layout.nbytes
+
+    def _slot_bytes(self):
+        return min(IO_BYTES, self.buffer_bytes)
+
+    def _stream(self, file, tasks, write):
+        """The one pipeline of whole-file transfers: ``tasks`` (``[(file offset, bytes,
+        fill or None)]``, each at most a slot) move between ``file`` and the pool's buffers,
+        cut into request-sized slots. A slot is given its next request as soon as its own
+        request completes (not when a whole buffer's do), so the I/O threads always have
+        requests queued, as raw I/O at the same concurrency has. ``fill(target)`` puts a
+        write's bytes in its slot first; what a read brings is not kept. Every buffer goes
+        back to the pool after every request that uses it has finished."""
+        slot = self._slot_bytes()
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle = [(buffer, start) for buffer in buffers
+                for start in range(0, buffer.nbytes - slot + 1, slot)]
+        busy = {}
+        call = file.write if write else file.read
+        try:
+            for offset, nbytes, fill in tasks:
+                if not idle:
+                    done, _ = concurrent.futures.wait(
+                        busy, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for future in done:
+                        future.result()
+                        idle.append(busy.pop(future))
+                buffer, start = idle.pop()
+                if fill is not None:
+                    fill(buffer.bytes[start:start + nbytes])
+                busy[self._io.submit(call, buffer.memory(start, aligned(nbytes)), offset)] = \
+                    (buffer, start)
+            for future in concurrent.futures.as_completed(list(busy)):
+                future.result()
+        finally:
+            concurrent.futures.wait(busy)
+            for buffer in buffers:
+                self._pool.give_back(buffer)
 
     def remove_stale(self):
         """Remove the swap folders in swap_dir whose owner is gone (their lock is free): a
