@@ -486,6 +486,37 @@ def test_a_step_that_fails_part_way_is_undone_bitwise(fault, tmp_path):
     assert_same(pairs)
 
 
+def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(tmp_path):
+    # A second fault: the optimizer fails at chunk 6 and the new generation's file (its
+    # undo area) is gone, so chunks 0-3 cannot be put back: never silently half-stepped.
+    pairs = pair(deep, str(tmp_path), buffer_mb=36 / 1024)
+    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    step_both(pairs, 2)
+    for state in states:
+        state.commit()
+    (model, opt), _ = pairs
+
+    def lose_undo_and_fail():
+        [folder] = swap_folders(str(tmp_path))
+        newest = max(os.listdir(tmp_path / folder), key=lambda n: int(n[3:-4]))
+        os.truncate(tmp_path / folder / newest, 0)
+        _raise()
+
+    opt.optimizer.calls = 0
+    opt.optimizer.after = {6: lose_undo_and_fail}
+    opt.zero_grad()
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    with pytest.raises(OSError, match=r"values of the parameters of chunk 1 of 8 could not be "
+                                      r"read back .*restore a commit"):
+        opt.step()
+    with pytest.raises(OSError, match="restore a commit"):
+        opt.step()
+    for state in states:
+        state.restore()
+    step_both(pairs, 2)
+    assert_same(pairs)
+
+
 def test_a_hyper_parameter_that_adds_state_mid_run_is_stepped_as_in_memory(tmp_path):
     def sgd():
         model, _ = mlp()

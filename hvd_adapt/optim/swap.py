@@ -299,27 +299,28 @@ class SwappedState:
                 self._unlink(generation)
             raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
                             "state unchanged): " + "; ".join(failures))
-        source = self._open(self.live) if old is not None else None
         intervals, waits = [], []
-        runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout, old,
-                          source, out, intervals, waits)
+        source = runner = None
         try:
             error = None
             try:
+                source = self._open(self.live) if old is not None else None
+                runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout,
+                                  old, source, out, intervals, waits)
                 runner.run(chunks)
-            except _UndoFailed:
-                raise
-            except Exception as e:      # put back already: agreed on below
+            except Exception as e:      # put back already (or _UndoFailed): agreed on below
                 error = e
+            # Every rank takes part, whatever happened here: a rank that raised without
+            # it would leave the others waiting in this collective.
             failures = agree(None if error is None else f"{type(error).__name__}: {error}",
                              "stepped")
+            if error is None and failures:
+                # Another rank failed: this one's step, complete on disk, is undone too.
+                error = SwapError(errno.EIO, "the optimizer step was not taken on any rank "
+                                  "(parameters and state unchanged): " + "; ".join(failures))
+                runner.undo(chunks)
             if error is not None:
                 raise error
-            if failures:
-                # Another rank failed: this one's step, complete on disk, is undone too.
-                runner.undo(chunks)
-                raise SwapError(errno.EIO, "the optimizer step was not taken on any rank "
-                                "(parameters and state unchanged): " + "; ".join(failures))
             try:
                 out.truncate(layout.nbytes)     # the undo area's blocks go back to the disk
             except SwapError as e:

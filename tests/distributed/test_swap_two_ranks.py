@@ -66,8 +66,10 @@ def test_a_step_that_fails_part_way_on_one_rank_is_undone_on_every_rank(tmp_path
     for rank in (0, 1):
         steps = {s["label"]: s for s in reports[rank]["steps"]}
         for label, step in steps.items():
-            assert step["as_in_memory"], (rank, label)
             assert step["in_memory"], (rank, label)
+            if label[0] == "8":
+                continue        # judged below
+            assert step["as_in_memory"], (rank, label)
             if label[0] in "35":
                 assert step["unchanged"], (rank, label)
                 assert step["error"], (rank, label)
@@ -81,6 +83,13 @@ def test_a_step_that_fails_part_way_on_one_rank_is_undone_on_every_rank(tmp_path
                 assert steps[label]["error"].startswith(
                     "SwapError: [Errno 5] the optimizer step was not taken on any rank"), rank
                 assert f"rank {failing}: " in steps[label]["error"], rank
+        # Rank 0 cannot put its parameters back and says so; rank 1 undoes its step; no
+        # rank waits for another; a restore brings both back.
+        lost = steps["8 rank 0 loses its undo area"]["error"]
+        assert "could not be read back" in lost and "restore a commit" in lost, (rank, lost)
+        if rank == 1:
+            assert lost.startswith("SwapError: [Errno 5] the optimizer step was not taken"), lost
+            assert steps["8 rank 0 loses its undo area"]["unchanged"]
 
 
 def held_after_each_step(commits):

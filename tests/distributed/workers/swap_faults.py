@@ -60,6 +60,14 @@ def truncate_live():
     os.truncate(path, 0)
 
 
+def lose_undo_and_fail():
+    # A second fault: the new generation's undo area is gone when the optimizer fails.
+    [folder] = os.listdir(swap_dir)
+    newest = max(os.listdir(os.path.join(swap_dir, folder)), key=lambda n: int(n[3:-4]))
+    os.truncate(os.path.join(swap_dir, folder, newest), 0)
+    fail()
+
+
 def snapshot(model, opt):
     state = opt.state_dict()["state"]
     return ([p.detach().clone() for p in model.parameters()],
@@ -72,17 +80,23 @@ def same(a, b):
 
 
 swapped, memory = build(swap_dir), build(None)
-hvd_adapt.State(model=swapped[0], optimizer=swapped[1], reference=memory[0],
-                reference_optimizer=memory[1]).sync()
+state = hvd_adapt.State(model=swapped[0], optimizer=swapped[1], reference=memory[0],
+                        reference_optimizer=memory[1])
+state.sync()
 data = torch.Generator().manual_seed(100 + rank)
 saved = []
 # (label, the rank whose step fails, how); the reference in memory skips those steps.
 plan = [("1", None, None), ("2", None, None), ("3 rank 0 optimizer error", 0, {6: fail}),
         ("4", None, None), ("5 rank 1 read EIO", 1, {4: truncate_live}), ("6", None, None),
-        ("7", None, None)]
+        ("7", None, None), ("8 rank 0 loses its undo area", 0, {6: lose_undo_and_fail}),
+        ("9 after a restore", None, None)]
 steps = []
 for label, failing, hooks in plan:
     x = torch.randn(8, 32, generator=data)
+    if label.startswith("8"):
+        state.commit()
+    if label.startswith("9"):
+        state.restore()     # rank 0's parameters were half-stepped: back to the commit
     before = snapshot(*swapped)
     for model, opt in (memory, swapped):
         opt.zero_grad()
