@@ -42,8 +42,9 @@ def build(where):
     model = torch.nn.Sequential(*layers)
     # Buffers of 36 KiB: 8 chunks of two parameters; a fault at chunk 6 puts chunks 0-3
     # back from the undo area on disk, the later ones from the buffers.
-    opt = hvd_adapt.DistributedOptimizer(Hooked(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                         swap_dir=where, swap_buffer_mb=36 / 1024 if where else None)
+    inner = Hooked(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = hvd_adapt.DistributedOptimizer(inner, swap_dir=where,
+                                         swap_buffer_mb=36 / 1024 if where else None)
     return model, opt
 
 
