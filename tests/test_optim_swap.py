@@ -486,6 +486,38 @@ def test_a_step_that_fails_part_way_is_undone_bitwise(fault, tmp_path):
     assert_same(pairs)
 
 
+def test_a_write_that_fails_part_way_is_undone_bitwise(mount):
+    # The disk fills after the reservation (the new file loses its blocks as the step
+    # begins; a filler takes them): chunk 0's write fails with ENOSPC while later chunks
+    # step, and their values come back from the buffers.
+    swap_dir = mount("tmpfs", "2m")
+    pairs = pair(deep, str(swap_dir), buffer_mb=36 / 1024)
+    step_both(pairs, 2)
+    (model, opt), _ = pairs
+    params = [p.detach().clone() for p in model.parameters()]
+    state = state_tensors(opt)
+    filler = []
+
+    def disk_full():
+        [folder] = swap_folders(str(swap_dir))
+        newest = max(os.listdir(swap_dir / folder), key=lambda n: int(n[3:-4]))
+        os.truncate(swap_dir / folder / newest, 0)
+        filler.append(fill(swap_dir))
+
+    opt.optimizer.calls = 0
+    opt.optimizer.after = {0: disk_full}
+    opt.zero_grad()
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    with pytest.raises(OSError, match=r"cannot write .* of .*gen\d+\.bin: .*\(errno ENOSPC\)"):
+        opt.step()
+    assert opt.optimizer.calls >= 2, "chunks after the failed write were stepped, and undone"
+    os.remove(filler[0])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "all undone"
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(state_tensors(opt), state))
+    step_both(pairs, 2)
+    assert_same(pairs)
+
+
 def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(tmp_path):
     # A second fault: the optimizer fails at chunk 6 and the new generation's file (its
     # undo area) is gone, so chunks 0-3 cannot be put back: never silently half-stepped.
