@@ -747,3 +747,33 @@ def test_sgd_without_momentum_has_the_state_dict_of_memory(tmp_path):
     step_both(pairs, 2)
     assert_same(pairs)
     assert pairs[0][1].state_dict()["state"] == {}
+
+
+def test_an_agreement_that_fails_leaves_no_file_and_moves_nothing(tmp_path):
+    # The collective that compares the reservation fails (a peer lost, an elastic reset):
+    # the new generation's file goes at once, and parameters and state stay as they were.
+    from hvd_adapt.optim.swap import SwappedState
+    torch.manual_seed(0)
+    model, inner = mlp()
+    swapped = SwappedState(inner, str(tmp_path), buffer_mb=0.05)
+
+    def step(agree=None):
+        inner.zero_grad()
+        model(torch.randn(8, 16, generator=torch.Generator().manual_seed(0))) \
+            .pow(2).mean().backward()
+        swapped.step(agree=agree)
+
+    step()
+    [folder] = swap_folders(str(tmp_path))
+    files = sorted(os.listdir(tmp_path / folder))
+    params = [p.detach().clone() for p in model.parameters()]
+
+    def lost(message, what):
+        raise RuntimeError(f"a peer was lost at {what}")
+
+    with pytest.raises(RuntimeError, match="a peer was lost at reserved"):
+        step(lost)
+    assert sorted(os.listdir(tmp_path / folder)) == files
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    step()
+    swapped.close()

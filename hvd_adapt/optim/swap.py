@@ -292,7 +292,15 @@ class SwappedState:
             generation, out = self._create(end)
         except SwapError as e:
             message = str(e)
-        failures = agree(message, "reserved")
+        try:
+            failures = agree(message, "reserved")
+        except BaseException:
+            # A collective that failed (a peer lost, an elastic reset): nothing moved, and
+            # the new file goes rather than waiting for the folder's removal.
+            if out is not None:
+                out.close()
+                self._unlink(generation)
+            raise
         if failures:
             if out is not None:
                 out.close()
