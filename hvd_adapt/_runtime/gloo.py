@@ -41,6 +41,7 @@ context cannot be told its interface from outside Horovod, so
 :func:`check_host_address` refuses such a host before ``hvd.init()``,
 naming the host, where its name resolves and the fix.
 """
+import contextlib
 import http.client
 import http.server
 import ipaddress
@@ -51,6 +52,8 @@ import threading
 import time
 
 import psutil
+
+from .._checks import seconds_from_environment
 
 log = logging.getLogger("hvd_adapt")
 
@@ -123,21 +126,35 @@ def check_host_address(iface, num_hosts):
         f"instead of '{address} {name}', or in DNS)")
 
 
+def collective_timeout():
+    """Gloo's timeout in a world hvd_adapt's meeting formed: ``HOROVOD_GLOO_TIMEOUT_SECONDS``
+    where the user or ``horovodrun --gloo-timeout-seconds`` set it, else
+    ``COLLECTIVE_TIMEOUT_SECONDS``."""
+    text = os.environ.get(TIMEOUT_VARIABLE)
+    return COLLECTIVE_TIMEOUT_SECONDS if text is None else float(text)
+
+
+@contextlib.contextmanager
+def _short_gloo_timeout(apply):
+    """Gloo's timeout ``COLLECTIVE_TIMEOUT_SECONDS`` for the ``hvd.init()`` inside (Horovod
+    reads it there, for the rendezvous and every collective of that world), unless set
+    already. Only around the init that follows a meeting: an init that Horovod's own
+    ``hvd.elastic.run`` makes in its reset has no meeting, so it keeps Horovod's default
+    (30 s), long enough for a worker slow to reach it."""
+    if not apply or TIMEOUT_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[TIMEOUT_VARIABLE] = str(COLLECTIVE_TIMEOUT_SECONDS)
+    try:
+        yield
+    finally:
+        del os.environ[TIMEOUT_VARIABLE]
+
+
 def start_timeout():
     """Seconds the workers of a world wait for each other to start:
     ``HVD_ADAPT_START_TIMEOUT_SECONDS``, default 60 (cold workers take 8-40 s)."""
-    text = os.environ.get(START_TIMEOUT_VARIABLE)
-    if text is None:
-        return START_TIMEOUT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{START_TIMEOUT_VARIABLE} must be a number of seconds > 0, "
-                         f"got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{START_TIMEOUT_VARIABLE} must be a number of seconds > 0, "
-                         f"got {text!r}")
-    return value
+    return seconds_from_environment(START_TIMEOUT_VARIABLE, START_TIMEOUT_SECONDS)
 
 
 class RendezvousServer:
@@ -251,10 +268,11 @@ def _parse_answer(answer):
     return [int(v) for v in answer.decode("ascii").split(",")]
 
 
-def init_world(init, reset=False):
+def init_world(init, reset=False, short_timeout=True):
     """Call ``init()`` (``hvd.init``) once every worker of this world has started.
 
-    Outside a Gloo launch, or in a world of one, it only calls ``init()``. ``reset``:
+    Outside a Gloo launch it only calls ``init()``. ``short_timeout``: that call gets
+    Gloo's short timeout (:func:`collective_timeout`; an elastic job's). ``reset``:
     this is an elastic reset (after ``hvd.shutdown()``), whose rank and size come from
     the driver, and which waits for another world where one worker of the next never
     starts; otherwise they come from the environment horovodrun started the worker with.
@@ -268,7 +286,8 @@ def init_world(init, reset=False):
         check_host_address(iface, int(os.environ.get("HOROVOD_CROSS_SIZE", "1")))
         if size > 1:
             meet(server, rank, size, start_timeout())
-        return init()
+        with _short_gloo_timeout(short_timeout):
+            return init()
     host, local_rank = os.environ["HOROVOD_HOSTNAME"], os.environ["HOROVOD_LOCAL_RANK"]
     while True:
         # Answered once the driver has every worker of the last world's state (no timeout:
@@ -291,6 +310,7 @@ def init_world(init, reset=False):
         os.environ[ADDR_VARIABLE], os.environ[PORT_VARIABLE] = proxy.server_address[0], \
             str(proxy.server_address[1])
         try:
-            return init()
+            with _short_gloo_timeout(short_timeout):
+                return init()
         finally:
             os.environ[ADDR_VARIABLE], os.environ[PORT_VARIABLE] = real

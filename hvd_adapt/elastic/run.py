@@ -23,9 +23,16 @@ from .._runtime.gloo import init_world
 
 def _reset():
     """Horovod's reset (``horovod.torch.elastic._reset``: shutdown, init), except that
-    the new world's workers meet before Gloo's rendezvous (see ``_runtime/gloo.py``)."""
+    the new world's workers meet before Gloo's rendezvous (see ``_runtime/gloo.py``),
+    and that the watchdogs learn of it (``_runtime/watchdog.py``): a peer that does not
+    follow is hung."""
+    beacon = CONTEXT.watchdog
+    if beacon is not None:
+        beacon.entering_reset()
     hvd.shutdown()
     init_world(hvd.init, reset=True)
+    if beacon is not None:
+        beacon.reset_done()
 
 
 def run(func):
