@@ -14,7 +14,9 @@ world first meet on the job's rendezvous server, with no timeout of Gloo's
 polling, until every rank of the world has, up to ``start_timeout()``), and
 only then call ``hvd.init()``, whose Gloo rendezvous now finds every peer
 started, so Gloo's timeout can be short (``COLLECTIVE_TIMEOUT_SECONDS``) and
-a dead or stopped peer is noticed in seconds.
+a dead or stopped peer is noticed in seconds. It is set only around that
+``hvd.init()`` (:func:`_short_gloo_timeout`): a reset of Horovod's own
+``hvd.elastic.run`` has no meeting and keeps Horovod's default.
 
 In an elastic reset a survivor learns its new rank and world size from the
 driver's ``rank_and_size`` answer, which also tells the driver that the
@@ -70,6 +72,11 @@ START_TIMEOUT_VARIABLE = "HVD_ADAPT_START_TIMEOUT_SECONDS"
 START_TIMEOUT_SECONDS = 60
 START_SCOPE = "hvd_adapt_start"
 RANK_AND_SIZE_SCOPE = "rank_and_size"    # horovod/runner/elastic/rendezvous.py
+# Where Gloo's rendezvous of Horovod's global context puts each rank's address
+# (gloo_context.cc's HOROVOD_GLOO_GLOBAL_PREFIX; the key is the rank): a rank found
+# there has started and met already, as the survivors of a reset of Horovod's own
+# hvd.elastic.run, which has no meeting, do.
+GLOO_GLOBAL_SCOPE = "global"
 
 
 def gloo_host_address():
@@ -194,8 +201,8 @@ class RendezvousServer:
 
 
 def meet(server, rank, size, timeout):
-    """Put ``rank`` under ``START_SCOPE`` and wait until all ``size`` ranks have: every
-    worker of the world is started. The driver clears the store for every new world,
+    """Put ``rank`` under ``START_SCOPE`` and wait until all ``size`` ranks have, or are in
+    Gloo's rendezvous already (``GLOO_GLOBAL_SCOPE``): every worker of the world is started. The driver clears the store for every new world,
     so what is found is this world's. Returns True, or False after ``timeout`` s (logged:
     ``hvd.init()`` then fails on Gloo's short timeout and the job resets)."""
     server.put(START_SCOPE, str(rank), b"1")
@@ -203,7 +210,8 @@ def meet(server, rank, size, timeout):
     missing = set(range(size)) - {rank}
     pause = 0.02
     while missing:
-        missing = {r for r in missing if server.get(START_SCOPE, str(r)) is None}
+        missing = {r for r in missing if server.get(START_SCOPE, str(r)) is None
+                   and server.get(GLOO_GLOBAL_SCOPE, str(r)) is None}
         if not missing:
             break
         if time.monotonic() > deadline:
