@@ -69,6 +69,12 @@ def test_the_step_time_is_a_slowly_decaying_maximum():
     assert watchdog.read_page(beacon.page)[0] >= 0.9 * 4
 
 
+def test_a_worker_restoring_before_its_reset_is_not_behind():
+    beacon = watchdog.Beacon(server=None)
+    beacon.leaving_training()    # no marker of its own yet: that comes with the reset
+    assert watchdog.read_page(beacon.page)[2] == 1
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
 def test_a_bad_setting_is_named_in_the_worker(monkeypatch, value):
     monkeypatch.setenv(watchdog.GRACE_VARIABLE, value)

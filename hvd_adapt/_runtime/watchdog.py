@@ -98,6 +98,12 @@ class Beacon:
             self._write()
         self.last_step = now
 
+    def leaving_training(self):
+        """The training function raised for a reset (its restore comes first): tell the
+        watchdog, so that a long restore never counts as hanging."""
+        self.in_reset = 1
+        self._write()
+
     def entering_reset(self):
         """Tell the watchdogs of the peers that this worker resets, and its own that it is
         in a reset (so it never counts as behind)."""

@@ -15,6 +15,7 @@ import functools
 
 import horovod.torch as hvd
 from horovod.common.elastic import run_fn
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from .._runtime import env
 from .._runtime.context import CONTEXT
@@ -52,8 +53,15 @@ def run(func):
     @functools.wraps(func)
     def attempt(state, *args, **kwargs):
         CONTEXT.state = state
-        state.resync_after_reset()
-        result = func(state, *args, **kwargs)
+        try:
+            state.resync_after_reset()
+            result = func(state, *args, **kwargs)
+        except (HorovodInternalError, HostsUpdatedInterrupt):
+            # Its restore comes next, then the reset: however long the restore takes,
+            # this worker is on its way into the reset, not behind its peers.
+            if CONTEXT.watchdog is not None:
+                CONTEXT.watchdog.leaving_training()
+            raise
         state.finish_training_function()
         return result
 
