@@ -80,3 +80,12 @@ def test_a_bad_start_timeout_is_named(monkeypatch, value):
     with pytest.raises(ValueError, match=f"HVD_ADAPT_START_TIMEOUT_SECONDS must be a number of "
                                          f"seconds > 0, got '{value}'"):
         gloo.start_timeout()
+
+
+def test_a_bad_gloo_timeout_is_named_before_the_watchdog_uses_it(monkeypatch):
+    monkeypatch.setenv(gloo.TIMEOUT_VARIABLE, "5s")
+    with pytest.raises(ValueError, match="HOROVOD_GLOO_TIMEOUT_SECONDS must be a number of "
+                                         "seconds > 0, got '5s'"):
+        gloo.collective_timeout()
+    monkeypatch.delenv(gloo.TIMEOUT_VARIABLE)
+    assert gloo.collective_timeout() == gloo.COLLECTIVE_TIMEOUT_SECONDS

@@ -137,8 +137,7 @@ def collective_timeout():
     """Gloo's timeout in a world hvd_adapt's meeting formed: ``HOROVOD_GLOO_TIMEOUT_SECONDS``
     where the user or ``horovodrun --gloo-timeout-seconds`` set it, else
     ``COLLECTIVE_TIMEOUT_SECONDS``."""
-    text = os.environ.get(TIMEOUT_VARIABLE)
-    return COLLECTIVE_TIMEOUT_SECONDS if text is None else float(text)
+    return seconds_from_environment(TIMEOUT_VARIABLE, COLLECTIVE_TIMEOUT_SECONDS)
 
 
 @contextlib.contextmanager
