@@ -286,7 +286,8 @@ def init_world(init, reset=False, short_timeout=True):
     """
     server = RendezvousServer.from_environment()
     if server is None:
-        return init()
+        with _short_gloo_timeout(short_timeout):
+            return init()
     iface = os.environ.get(IFACE_VARIABLE)
     if not reset:
         rank, size = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
