@@ -3,7 +3,8 @@
 Builds three network-namespace hosts with an sshd each (root needed), runs
 tests/cluster/faults.py's job (elastic horovodrun on h1 over real ssh to
 h1, h2, h3; AdamW, a GradScaler, autoscaling) and injects a fault in h3 once
-the job has committed 6 steps. Per fault and configuration, over ``--runs``
+the job has committed 6 steps (``sigstop``: h3's training process is
+stopped, as a hung worker). Per fault and configuration, over ``--runs``
 runs: the survivors' pause (fault to their next commit), median and range,
 and how the job ended. Configurations, in the same invocation and on the
 same bed:
@@ -15,8 +16,11 @@ same bed:
   plain ``hvd.elastic.run`` job has it.
 
     python benchmarks/fault_recovery.py --before-tree /tmp/main-src [--runs 3]
-        [--faults crash_dropped crash_listed] [--configs hvd_adapt before horovod]
+        [--faults crash_dropped crash_listed sigstop] [--configs hvd_adapt before horovod]
         [--json fault_recovery.json]
+
+Each invocation's ``--json`` file (``fault_recovery*.json`` under
+benchmarks/results) adds its rows to RESULTS.md's table.
 """
 import argparse
 import os
@@ -41,7 +45,12 @@ def crash_listed(bed, job):
     bed.crash("h3")
 
 
-FAULTS = {"crash_dropped": crash_dropped, "crash_listed": crash_listed}
+def sigstop(bed, job):
+    """h3's training process stopped for good (SIGSTOP), discovery still listing h3."""
+    bed.stop(faults.worker_pid(bed, "h3"))
+
+
+FAULTS = {"crash_dropped": crash_dropped, "crash_listed": crash_listed, "sigstop": sigstop}
 
 
 def config_env(name, before_tree):
