@@ -4,7 +4,8 @@ Builds three network-namespace hosts with an sshd each (root needed; ssh
 without keepalive, as ssh's defaults have it, unless ``--ssh-keepalive``),
 runs tests/cluster/faults.py's job (elastic horovodrun on h1 over real ssh
 to h1, h2, h3; AdamW, a GradScaler, autoscaling) and injects a fault in h3
-once the job has committed 6 steps. Per fault and configuration, over
+once the job has committed 6 steps (``sigstop``: h3's training process is
+stopped, as a hung worker). Per fault and configuration, over
 ``--runs`` runs: the survivors' pause (the longest time without a commit
 from the fault on: for a failure, until the survivors commit again; for the
 cold joiner, the grow's), median and range, and how the job ended.
@@ -27,6 +28,9 @@ says "not done N s after the fault".
     python benchmarks/fault_recovery.py --before-tree /tmp/before-src [--runs 3]
         [--faults partition_dropped partition_listed] [--configs hvd_adapt before horovod]
         [--anchor-runs 1] [--anchor-after-fault 60] [--json fault_recovery.json]
+
+Each invocation's ``--json`` file (``fault_recovery*.json`` under
+benchmarks/results) adds its rows to RESULTS.md's table.
 """
 import argparse
 import os
@@ -46,6 +50,11 @@ def cold_joiner(bed, job):
     job.set_hosts(faults.ALL)
 
 
+def sigstop(bed, job):
+    """h3's training process stopped for good (SIGSTOP), discovery still listing h3."""
+    bed.stop(faults.worker_pid(bed, "h3"))
+
+
 # A lost host's blacklist outlasts hvd-adapt-discover's FREEZE_AFTER_END (docs/elastic.md).
 COOLDOWN = ["--blacklist-cooldown-range", "7", "10"]
 # One entry per fault: what is injected, and how the job differs from the default one.
@@ -56,6 +65,7 @@ FAULTS = {
     "partition_listed": (faults.partition_listed, {"launcher_args": COOLDOWN}),
     "cold_joiner": (cold_joiner, {"hosts": ["h1:1", "h2:1"], "np": 2,
                                   "worker_args": ["--slow-join", "20"]}),
+    "sigstop": (sigstop, {}),
 }
 
 

@@ -1,9 +1,10 @@
 """Optimizer state on disk (``swap_dir``) against raw disk I/O and against the state in
 memory, in one invocation.
 
-- **disk**: the swapper's writes and reads of a ``--state-gb`` state, as a step
-  moves it (``move_bytes``: the pool's buffers in flight on its I/O threads, checked
-  transfers; a write reserves a new file with ``posix_fallocate``), against raw
+- **disk**: the swapper's writes and reads of a ``--state-gb`` state, as it moves a
+  whole generation (``move_bytes``: its one pipeline, the pool's buffers cut into
+  request-sized slots in flight on its I/O threads, checked transfers; a write
+  reserves a new file with ``posix_fallocate``), against raw
   ``pwrite``/``pread`` at the **same concurrency and request size** (``--workers``
   threads, 8 MiB requests): both read the swapper's live generation file, both
   write a fresh file reserved the same way. ``O_DIRECT`` on both sides (no page

@@ -196,11 +196,12 @@ def resize_section():
 
 
 def fault_section():
-    records = load("fault_recovery.json")
+    # One file per invocation (fault_recovery*.json): faults measured apart add rows.
+    records = load("fault_recovery*.json")
     if not records:
         return None
     rows = []
-    for row in records[0]["data"]["rows"]:
+    for row in (row for record in records for row in record["data"]["rows"]):
         pauses = sorted(run["pause_s"] for run in row["runs"] if run["pause_s"] is not None)
         pause = (f"{statistics.median(pauses):.1f} ({pauses[0]:.1f}-{pauses[-1]:.1f})"
                  if pauses else "-")

@@ -1,5 +1,6 @@
 """Argument checks whose errors name the argument, the bad value and what is allowed."""
 import numbers
+import os
 
 
 def is_int(value):
@@ -18,3 +19,18 @@ def check_bool(name, value):
     """Raise ValueError unless ``value`` is True or False."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def seconds_from_environment(name, default):
+    """``float(os.environ[name])``, or ``default`` where it is unset; raise ValueError,
+    naming the variable and its value, unless that is a number of seconds > 0."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {text!r}")
+    return value

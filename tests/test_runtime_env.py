@@ -88,12 +88,21 @@ def test_init_keeps_scipys_blas_threads_from_spinning_after_mpis_fork():
     (None, None, None),  # outside elastic jobs all workers start together
 ])
 def test_elastic_jobs_notice_a_dead_peer_in_seconds(elastic, preset, expected):
+    """What Horovod reads in the hvd.init() that init() makes; afterwards the environment
+    is as it was, so an hvd.init() of Horovod's own elastic reset (no meeting) keeps
+    Horovod's default."""
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("HOROVOD_ELASTIC", "HOROVOD_GLOO_TIMEOUT_SECONDS")}
     run_env.update({k: v for k, v in (("HOROVOD_ELASTIC", elastic),
                                       ("HOROVOD_GLOO_TIMEOUT_SECONDS", preset)) if v})
-    code = ("import os, hvd_adapt\nhvd_adapt.init()\n"
-            "print(os.environ.get('HOROVOD_GLOO_TIMEOUT_SECONDS'))")
+    code = ("import os, horovod.torch as hvd, hvd_adapt\n"
+            "seen, real_init = [], hvd.init\n"
+            "def init(*args, **kwargs):\n"
+            "    seen.append(os.environ.get('HOROVOD_GLOO_TIMEOUT_SECONDS'))\n"
+            "    return real_init(*args, **kwargs)\n"
+            "hvd.init = init\n"
+            "hvd_adapt.init()\n"
+            "print(seen[0], os.environ.get('HOROVOD_GLOO_TIMEOUT_SECONDS'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=run_env)
-    assert out.stdout.split() == [str(expected)], out.stdout + out.stderr
+    assert out.stdout.split() == [str(expected), str(preset)], out.stdout + out.stderr

@@ -57,6 +57,13 @@ def test_a_rank_that_never_starts_ends_the_wait(store):
     assert gloo.meet(store, 0, 2, timeout=0.3) is False
 
 
+def test_a_rank_already_in_gloos_rendezvous_has_started(store):
+    # The survivors of a reset of Horovod's own hvd.elastic.run enter Gloo's rendezvous
+    # without meeting: a joiner's meeting finds them there.
+    store.put(gloo.GLOO_GLOBAL_SCOPE, "0", b"address")
+    assert gloo.meet(store, 1, 2, timeout=30)
+
+
 def test_the_proxy_answers_rank_and_size_and_passes_the_rest_on(store):
     with gloo._RankAndSizeProxy(store, b"1,3,0,1,1,3") as proxy:
         via = gloo.RendezvousServer(*proxy.server_address)
@@ -73,3 +80,12 @@ def test_a_bad_start_timeout_is_named(monkeypatch, value):
     with pytest.raises(ValueError, match=f"HVD_ADAPT_START_TIMEOUT_SECONDS must be a number of "
                                          f"seconds > 0, got '{value}'"):
         gloo.start_timeout()
+
+
+def test_a_bad_gloo_timeout_is_named_before_the_watchdog_uses_it(monkeypatch):
+    monkeypatch.setenv(gloo.TIMEOUT_VARIABLE, "5s")
+    with pytest.raises(ValueError, match="HOROVOD_GLOO_TIMEOUT_SECONDS must be a number of "
+                                         "seconds > 0, got '5s'"):
+        gloo.collective_timeout()
+    monkeypatch.delenv(gloo.TIMEOUT_VARIABLE)
+    assert gloo.collective_timeout() == gloo.COLLECTIVE_TIMEOUT_SECONDS

@@ -24,6 +24,9 @@ class RuntimeContext:
         #: Objects whose use makes collectives (distributed optimizers, autoscaling
         #: loaders): a worker joining a job syncs them only if the State carries them.
         self.collective_objects = weakref.WeakSet()
+        #: The :class:`~hvd_adapt._runtime.watchdog.Beacon` this worker writes for its
+        #: watchdog (an elastic Gloo worker), or None.
+        self.watchdog = None
         #: True while ``hvd_adapt.run`` runs the training function.
         self.in_run = False
         self._hooked_params = None

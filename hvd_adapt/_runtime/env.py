@@ -14,7 +14,9 @@ import torch
 
 from ..scheduling.standby import wait_for_handover
 from .blas import cap_loaded_scipy_blas
-from .gloo import COLLECTIVE_TIMEOUT_SECONDS, TIMEOUT_VARIABLE, init_world
+from . import watchdog
+from .context import CONTEXT
+from .gloo import RendezvousServer, collective_timeout, init_world
 from .threads import share_cpu_threads
 
 
@@ -28,7 +30,9 @@ def init(comm=None):
     peer's message (``COLLECTIVE_TIMEOUT_SECONDS``, unless
     ``HOROVOD_GLOO_TIMEOUT_SECONDS`` or ``horovodrun --gloo-timeout-seconds``
     says otherwise): a dead or stopped peer costs seconds, a worker slow to
-    start costs nothing (see ``_runtime/gloo.py``). Afterwards
+    start costs nothing (see ``_runtime/gloo.py``). There, a watchdog process
+    beside the worker kills it when it hangs while its peers reset, or when
+    its host is cut off from the job (see ``_runtime/watchdog.py``). Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it. In a standby
@@ -48,12 +52,16 @@ def init(comm=None):
     if launcher() == "python":
         # MPI_Init forks here; see blas.py for what that does to BLAS threads.
         cap_loaded_scipy_blas()
-    if is_elastic():
-        # Read by Horovod at every hvd.init, including those of elastic resets; short,
-        # since init_world lets no worker into Gloo's rendezvous before all have started.
-        os.environ.setdefault(TIMEOUT_VARIABLE, str(COLLECTIVE_TIMEOUT_SECONDS))
-    # Refuses a host whose name resolves to loopback, and meets the world (gloo.py).
-    init_world(lambda: hvd.init(comm=comm))
+    elastic = is_elastic()
+    server = RendezvousServer.from_environment() if elastic else None
+    if server is not None:
+        # Before the meeting, which a worker that hangs in it or whose host is cut off
+        # may never leave (see watchdog.py).
+        CONTEXT.watchdog = watchdog.start(server, collective_timeout())
+    # Refuses a host whose name resolves to loopback, and meets the world; Gloo's
+    # timeout is short in an elastic world, since the meeting lets no worker into its
+    # rendezvous before all have started (gloo.py).
+    init_world(lambda: hvd.init(comm=comm), short_timeout=elastic)
     share_cpu_threads(hvd.local_size(), hvd.local_rank())
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())

@@ -14,7 +14,9 @@ world first meet on the job's rendezvous server, with no timeout of Gloo's
 polling, until every rank of the world has, up to ``start_timeout()``), and
 only then call ``hvd.init()``, whose Gloo rendezvous now finds every peer
 started, so Gloo's timeout can be short (``COLLECTIVE_TIMEOUT_SECONDS``) and
-a dead or stopped peer is noticed in seconds.
+a dead or stopped peer is noticed in seconds. It is set only around that
+``hvd.init()`` (:func:`_short_gloo_timeout`): a reset of Horovod's own
+``hvd.elastic.run`` has no meeting and keeps Horovod's default.
 
 In an elastic reset a survivor learns its new rank and world size from the
 driver's ``rank_and_size`` answer, which also tells the driver that the
@@ -41,6 +43,7 @@ context cannot be told its interface from outside Horovod, so
 :func:`check_host_address` refuses such a host before ``hvd.init()``,
 naming the host, where its name resolves and the fix.
 """
+import contextlib
 import http.client
 import http.server
 import ipaddress
@@ -51,6 +54,8 @@ import threading
 import time
 
 import psutil
+
+from .._checks import seconds_from_environment
 
 log = logging.getLogger("hvd_adapt")
 
@@ -67,6 +72,11 @@ START_TIMEOUT_VARIABLE = "HVD_ADAPT_START_TIMEOUT_SECONDS"
 START_TIMEOUT_SECONDS = 60
 START_SCOPE = "hvd_adapt_start"
 RANK_AND_SIZE_SCOPE = "rank_and_size"    # horovod/runner/elastic/rendezvous.py
+# Where Gloo's rendezvous of Horovod's global context puts each rank's address
+# (gloo_context.cc's HOROVOD_GLOO_GLOBAL_PREFIX; the key is the rank): a rank found
+# there has started and met already, as the survivors of a reset of Horovod's own
+# hvd.elastic.run, which has no meeting, do.
+GLOO_GLOBAL_SCOPE = "global"
 
 
 def gloo_host_address():
@@ -123,21 +133,34 @@ def check_host_address(iface, num_hosts):
         f"instead of '{address} {name}', or in DNS)")
 
 
+def collective_timeout():
+    """Gloo's timeout in a world hvd_adapt's meeting formed: ``HOROVOD_GLOO_TIMEOUT_SECONDS``
+    where the user or ``horovodrun --gloo-timeout-seconds`` set it, else
+    ``COLLECTIVE_TIMEOUT_SECONDS``."""
+    return seconds_from_environment(TIMEOUT_VARIABLE, COLLECTIVE_TIMEOUT_SECONDS)
+
+
+@contextlib.contextmanager
+def _short_gloo_timeout(apply):
+    """Gloo's timeout ``COLLECTIVE_TIMEOUT_SECONDS`` for the ``hvd.init()`` inside (Horovod
+    reads it there, for the rendezvous and every collective of that world), unless set
+    already. Only around the init that follows a meeting: an init that Horovod's own
+    ``hvd.elastic.run`` makes in its reset has no meeting, so it keeps Horovod's default
+    (30 s), long enough for a worker slow to reach it."""
+    if not apply or TIMEOUT_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[TIMEOUT_VARIABLE] = str(COLLECTIVE_TIMEOUT_SECONDS)
+    try:
+        yield
+    finally:
+        del os.environ[TIMEOUT_VARIABLE]
+
+
 def start_timeout():
     """Seconds the workers of a world wait for each other to start:
     ``HVD_ADAPT_START_TIMEOUT_SECONDS``, default 60 (cold workers take 8-40 s)."""
-    text = os.environ.get(START_TIMEOUT_VARIABLE)
-    if text is None:
-        return START_TIMEOUT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{START_TIMEOUT_VARIABLE} must be a number of seconds > 0, "
-                         f"got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{START_TIMEOUT_VARIABLE} must be a number of seconds > 0, "
-                         f"got {text!r}")
-    return value
+    return seconds_from_environment(START_TIMEOUT_VARIABLE, START_TIMEOUT_SECONDS)
 
 
 class RendezvousServer:
@@ -177,8 +200,8 @@ class RendezvousServer:
 
 
 def meet(server, rank, size, timeout):
-    """Put ``rank`` under ``START_SCOPE`` and wait until all ``size`` ranks have: every
-    worker of the world is started. The driver clears the store for every new world,
+    """Put ``rank`` under ``START_SCOPE`` and wait until all ``size`` ranks have, or are in
+    Gloo's rendezvous already (``GLOO_GLOBAL_SCOPE``): every worker of the world is started. The driver clears the store for every new world,
     so what is found is this world's. Returns True, or False after ``timeout`` s (logged:
     ``hvd.init()`` then fails on Gloo's short timeout and the job resets)."""
     server.put(START_SCOPE, str(rank), b"1")
@@ -186,7 +209,8 @@ def meet(server, rank, size, timeout):
     missing = set(range(size)) - {rank}
     pause = 0.02
     while missing:
-        missing = {r for r in missing if server.get(START_SCOPE, str(r)) is None}
+        missing = {r for r in missing if server.get(START_SCOPE, str(r)) is None
+                   and server.get(GLOO_GLOBAL_SCOPE, str(r)) is None}
         if not missing:
             break
         if time.monotonic() > deadline:
@@ -251,24 +275,27 @@ def _parse_answer(answer):
     return [int(v) for v in answer.decode("ascii").split(",")]
 
 
-def init_world(init, reset=False):
+def init_world(init, reset=False, short_timeout=True):
     """Call ``init()`` (``hvd.init``) once every worker of this world has started.
 
-    Outside a Gloo launch, or in a world of one, it only calls ``init()``. ``reset``:
+    Outside a Gloo launch it only calls ``init()``. ``short_timeout``: that call gets
+    Gloo's short timeout (:func:`collective_timeout`; an elastic job's). ``reset``:
     this is an elastic reset (after ``hvd.shutdown()``), whose rank and size come from
     the driver, and which waits for another world where one worker of the next never
     starts; otherwise they come from the environment horovodrun started the worker with.
     """
     server = RendezvousServer.from_environment()
     if server is None:
-        return init()
+        with _short_gloo_timeout(short_timeout):
+            return init()
     iface = os.environ.get(IFACE_VARIABLE)
     if not reset:
         rank, size = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
         check_host_address(iface, int(os.environ.get("HOROVOD_CROSS_SIZE", "1")))
         if size > 1:
             meet(server, rank, size, start_timeout())
-        return init()
+        with _short_gloo_timeout(short_timeout):
+            return init()
     host, local_rank = os.environ["HOROVOD_HOSTNAME"], os.environ["HOROVOD_LOCAL_RANK"]
     while True:
         # Answered once the driver has every worker of the last world's state (no timeout:
@@ -291,6 +318,7 @@ def init_world(init, reset=False):
         os.environ[ADDR_VARIABLE], os.environ[PORT_VARIABLE] = proxy.server_address[0], \
             str(proxy.server_address[1])
         try:
-            return init()
+            with _short_gloo_timeout(short_timeout):
+                return init()
         finally:
             os.environ[ADDR_VARIABLE], os.environ[PORT_VARIABLE] = real

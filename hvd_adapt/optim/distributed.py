@@ -405,10 +405,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if closure is not None:
             raise ValueError("step(closure) cannot be used with swap_dir: the state is stepped "
                              "a chunk of parameters at a time, and a closure would run per chunk")
-        # A full disk on any rank is every rank's error, raised before anything is stepped.
-        self._swap.step(agree=lambda message: [
-            m for m in collective.allgather_object(message, name="hvd_adapt.swap.reserved")
-            if m])
+        # A full disk on any rank is every rank's error, raised before anything is stepped;
+        # a failure part-way on any rank undoes the step on every rank.
+        self._swap.step(agree=lambda message, what: [
+            f"rank {rank}: {m}" for rank, m in enumerate(
+                collective.allgather_object(message, name=f"hvd_adapt.swap.{what}")) if m])
         return None
 
     def swap_metrics(self):

@@ -77,8 +77,8 @@ class SwappedState:
         directory = os.path.abspath(directory)
         self._directory = directory
         params = self._params()
-        largest_whole = max((self._whole_bytes(p) for p in params
-                             if not self._splittable(p)), default=0)
+        largest_whole = max((self._whole_bytes(p) + aligned(p.numel() * p.element_size())
+                             for p in params if not self._splittable(p)), default=0)
         wanted = buffer_mb * 2 ** 20 if buffer_mb is not None \
             else max(DEFAULT_BUFFER_MB * 2 ** 20, largest_whole)
         self.buffer_bytes = aligned(int(wanted))
@@ -117,7 +117,11 @@ class SwappedState:
 
     def _makeup(self, param):
         group = self._groups_of[param]
-        key = (group, param.dtype, str(param.device), param.dim())
+        # What an optimizer keeps depends on which of its features are on (momentum from 0,
+        # amsgrad), not on their magnitudes (a learning rate a scheduler moves each step):
+        # a group whose features changed since its probe is probed again.
+        key = (group, param.dtype, str(param.device), param.dim(),
+               _features(self.optimizer.param_groups[group]))
         if key not in self._makeups:
             self._makeups[key] = probe_makeup(self.optimizer,
                                               self.optimizer.param_groups[group], param)
@@ -157,8 +161,9 @@ class SwappedState:
             raise ValueError(f"swap_dir {directory} cannot be created: {e}") from e
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
             raise ValueError(f"swap_dir {directory} is not a writable folder")
-        # Live, committed and one being written: up to three generations at once.
-        needed = 3 * sum(self._whole_bytes(p) for p in params)
+        # Live, committed and one being written (with its undo area, the parameters' bytes):
+        # up to three generations at once.
+        needed = sum(3 * self._whole_bytes(p) + p.numel() * p.element_size() for p in params)
         usage = shutil.disk_usage(directory)
         free = usage.free
         # A total of 0: a file system with no size (ramfs); the step's reservation checks.
@@ -180,15 +185,15 @@ class SwappedState:
     def _name(self, generation):
         return f"gen{generation}.bin"
 
-    def _create(self, layout):
-        """A new generation's file, its space reserved: ``(generation, SwapFile)``."""
+    def _create(self, nbytes):
+        """A new generation's file, ``nbytes`` of space reserved: ``(generation, SwapFile)``."""
         self._generation += 1
         generation = self._generation
         name = self._name(generation)
         fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
         out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
         try:
-            out.reserve(layout.nbytes)
+            out.reserve(nbytes)
         except BaseException:
             out.close()
             self._unlink(generation)
@@ -249,9 +254,11 @@ class SwappedState:
     def step(self, agree=None):
         """Step the optimizer over every parameter: read ahead, step, write behind. Either
         every parameter's step is applied and its state is in a new live generation, or
-        ``SwapError``/the optimizer's error is raised and the live generation is the one
-        before. ``agree(message or None)`` (a collective: every rank's message) makes a
-        rank's full disk every rank's error, before anything is stepped."""
+        none is: ``SwapError``/the optimizer's error is raised, the parameters hold their
+        values from before the step (put back from the undo area of the new generation) and
+        the live generation is the one before. ``agree(message or None, what)`` (a
+        collective: every rank's message) makes one rank's failure every rank's, at the
+        reservation (before anything moves) and at the end (before the new state is live)."""
         if self._broken is not None:
             raise SwapError(errno.EIO, self._broken)
         if self.optimizer.state:
@@ -259,6 +266,9 @@ class SwappedState:
                 "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
                 f"({len(self.optimizer.state)} parameter(s)); with swap_dir its state lives on "
                 "disk: load state through DistributedOptimizer.load_state_dict")
+        if agree is None:
+            def agree(message, what):
+                return [message] if message else []
         started = time.perf_counter()
         params = self._params()
         old = self.layout()
@@ -266,42 +276,70 @@ class SwappedState:
         for p in params:
             kept = old.get(p) if old is not None else None
             if kept is not None:
-                specs.append((p, [(e.key, e.dtype, e.shape, e.on_device) for e in kept.entries],
-                              kept.plain))
+                tensors = [(e.key, e.dtype, e.shape, e.on_device) for e in kept.entries]
+                # A hyper-parameter turned on since (momentum from 0) adds state: planned now,
+                # before anything moves, and made by the optimizer at this step.
+                known = {key for key, _, _, _ in tensors}
+                tensors += [t for t in self._makeup(p).tensors if t[0] not in known]
+                specs.append((p, tensors, kept.plain))
             elif p.grad is not None:
                 specs.append((p, self._makeup(p).tensors, {}))
         layout = Layout(specs)
-        chunks = plan_pieces(layout, self._groups_of, self._splittable, self.buffer_bytes,
-                             self._describe)
+        chunks, end = plan_pieces(layout, self._groups_of, self._splittable, self.buffer_bytes,
+                                  self._describe)
         message, out = None, None
         try:
-            generation, out = self._create(layout)
+            generation, out = self._create(end)
         except SwapError as e:
             message = str(e)
-        failures = agree(message) if agree is not None else [message] if message else []
+        try:
+            failures = agree(message, "reserved")
+        except BaseException:
+            # A collective that failed (a peer lost, an elastic reset): nothing moved, and
+            # the new file goes rather than waiting for the folder's removal.
+            if out is not None:
+                out.close()
+                self._unlink(generation)
+            raise
         if failures:
             if out is not None:
                 out.close()
                 self._unlink(generation)
             raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
                             "state unchanged): " + "; ".join(failures))
-        source = self._open(self.live) if old is not None else None
         intervals, waits = [], []
-        runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout, old,
-                          source, out, intervals, waits)
+        source = runner = None
         try:
-            runner.run(chunks)
+            error = None
+            try:
+                source = self._open(self.live) if old is not None else None
+                runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout,
+                                  old, source, out, intervals, waits)
+                runner.run(chunks)
+            except Exception as e:      # put back already (or _UndoFailed): agreed on below
+                error = e
+            # Every rank takes part, whatever happened here: a rank that raised without
+            # it would leave the others waiting in this collective.
+            failures = agree(None if error is None else f"{type(error).__name__}: {error}",
+                             "stepped")
+            if error is None and failures:
+                # Another rank failed: this one's step, complete on disk, is undone too.
+                error = SwapError(errno.EIO, "the optimizer step was not taken on any rank "
+                                  "(parameters and state unchanged): " + "; ".join(failures))
+                runner.undo(chunks)
+            if error is not None:
+                raise error
+            try:
+                out.truncate(layout.nbytes)     # the undo area's blocks go back to the disk
+            except SwapError as e:
+                log.warning("%s; the undo area stays until this generation is dropped", e)
         except BaseException as e:
             out.close()
             self._unlink(generation)
-            if runner.applied:
-                self._broken = (
-                    f"a swapped optimizer step failed in chunk {runner.applied} of "
-                    f"{len(chunks)} ({type(e).__name__}: {e}); the state of the last good "
-                    "generation is kept, but the parameters of the chunks stepped moved: "
-                    "restore a commit (State.restore()) or load a checkpoint before stepping "
-                    "again")
+            if isinstance(e, _UndoFailed):
+                self._broken = str(e)
                 log.error("%s", self._broken)
+                raise SwapError(errno.EIO, self._broken) from e.__cause__
             raise
         finally:
             if source is not None:
@@ -395,14 +433,14 @@ class SwappedState:
             specs.append((p, tensors, plain))
         layout = Layout(specs)
 
-        def fill(entry, param, buffer, start, size):
+        def fill(entry, param, target, start, size):
             flat = states[param][entry.key].detach().reshape(-1)
             if flat.dtype != entry.dtype:
-                # Cast a buffer's worth at a time: a mapped checkpoint is never read whole.
+                # Cast a request's worth at a time: a mapped checkpoint is never read whole.
                 width = entry.element_size
                 flat = flat[start // width:(start + size) // width].to(entry.dtype)
                 start = 0
-            buffer.bytes[:size].copy_(flat.view(torch.uint8)[start:start + size])
+            target.copy_(flat.view(torch.uint8)[start:start + size])
 
         self._write_all(layout, fill)
 
@@ -428,7 +466,7 @@ class SwappedState:
                 self.live = None
             self._broken = None
             return
-        generation, out = self._create(layout)
+        generation, out = self._create(layout.nbytes)
         source = self._open(self.live) if root else None
         buffer = self._pool.take()
         try:
@@ -456,74 +494,87 @@ class SwappedState:
         self._set_live(generation, layout)
 
     def _write_all(self, layout, fill):
-        """A new live generation of ``layout``, each entry written a buffer at a time with
-        what ``fill(entry, param, buffer, start, size)`` puts at the buffer's start, as a
-        step writes: the pool's buffers in flight on the I/O threads."""
-        generation, out = self._create(layout)
-        buffers = [self._pool.take() for _ in range(BUFFERS)]
-        idle, writing = list(buffers), []
-        try:
+        """A new live generation of ``layout``, each entry written a request at a time with
+        what ``fill(entry, param, target, start, size)`` puts in ``target`` (``size`` bytes of
+        the entry from ``start``), through :meth:`_stream`."""
+        generation, out = self._create(layout.nbytes)
+        slot = self._slot_bytes()
+
+        def tasks():
             for param_layout in layout.params:
                 for entry in param_layout.entries:
-                    for start in range(0, entry.nbytes, self.buffer_bytes):
-                        if not idle:
-                            done, transfer = writing.pop(0)
-                            transfer.wait()
-                            idle.append(done)
-                        buffer = idle.pop()
-                        size = min(self.buffer_bytes, entry.nbytes - start)
-                        fill(entry, param_layout.param, buffer, start, size)
-                        writing.append((buffer, self._submit(
-                            out, buffer, [(entry.offset + start, 0, aligned(size))], True, [])))
-            while writing:
-                writing.pop(0)[1].wait()
+                    for start in range(0, entry.nbytes, slot):
+                        size = min(slot, entry.nbytes - start)
+                        yield entry.offset + start, size, \
+                            lambda target, e=entry, p=param_layout.param, s=start, n=size: \
+                            fill(e, p, target, s, n)
+        try:
+            self._stream(out, tasks(), write=True)
         except BaseException:
-            for _, transfer in writing:
-                transfer.settle()
             out.close()
             self._unlink(generation)
             raise
-        finally:
-            for buffer in buffers:
-                self._pool.give_back(buffer)
         out.close()
         self._set_live(generation, layout)
 
     def move_bytes(self, write):
-        """Move the live generation's size through the pool as a step moves it (the I/O
-        threads, requests of IO_BYTES, every buffer in flight): read the live file, or
-        write a scratch file that is then removed. Returns the bytes moved. For
-        benchmarks/optimizer_swap.py: the swapper's own disk speed, without the optimizer."""
+        """Move the live generation's size through the pool as :meth:`load` moves it: read
+        the live file, or write a scratch file that is then removed. Returns the bytes
+        moved. For benchmarks/optimizer_swap.py: the swapper's own disk speed, without the
+        optimizer."""
         layout = self.layout()
         if layout is None:
             return 0
         if write:
-            generation, file = self._create(layout)
+            generation, file = self._create(layout.nbytes)
         else:
             generation, file = None, self._open(self.live)
-        buffers = [self._pool.take() for _ in range(BUFFERS)]
-        idle, moving = list(buffers), []
+        slot = self._slot_bytes()
         try:
-            for start in range(0, layout.nbytes, self.buffer_bytes):
-                if not idle:
-                    done, transfer = moving.pop(0)
-                    transfer.wait()
-                    idle.append(done)
-                buffer = idle.pop()
-                size = min(self.buffer_bytes, layout.nbytes - start)
-                moving.append((buffer, self._submit(file, buffer, [(start, 0, size)], write,
-                                                    [])))
-            while moving:
-                moving.pop(0)[1].wait()
+            self._stream(file, ((start, min(slot, layout.nbytes - start), None)
+                                for start in range(0, layout.nbytes, slot)), write)
         finally:
-            for _, transfer in moving:
-                transfer.settle()
-            for buffer in buffers:
-                self._pool.give_back(buffer)
             file.close()
             if generation is not None:
                 self._unlink(generation)
         return layout.nbytes
+
+    def _slot_bytes(self):
+        return min(IO_BYTES, self.buffer_bytes)
+
+    def _stream(self, file, tasks, write):
+        """The one pipeline of whole-file transfers: ``tasks`` (``[(file offset, bytes,
+        fill or None)]``, each at most a slot) move between ``file`` and the pool's buffers,
+        cut into request-sized slots. A slot is given its next request as soon as its own
+        request completes (not when a whole buffer's do), so the I/O threads always have
+        requests queued, as raw I/O at the same concurrency has. ``fill(target)`` puts a
+        write's bytes in its slot first; what a read brings is not kept. Every buffer goes
+        back to the pool after every request that uses it has finished."""
+        slot = self._slot_bytes()
+        buffers = [self._pool.take() for _ in range(BUFFERS)]
+        idle = [(buffer, start) for buffer in buffers
+                for start in range(0, buffer.nbytes - slot + 1, slot)]
+        busy = {}
+        call = file.write if write else file.read
+        try:
+            for offset, nbytes, fill in tasks:
+                if not idle:
+                    done, _ = concurrent.futures.wait(
+                        busy, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for future in done:
+                        future.result()
+                        idle.append(busy.pop(future))
+                buffer, start = idle.pop()
+                if fill is not None:
+                    fill(buffer.bytes[start:start + nbytes])
+                busy[self._io.submit(call, buffer.memory(start, aligned(nbytes)), offset)] = \
+                    (buffer, start)
+            for future in concurrent.futures.as_completed(list(busy)):
+                future.result()
+        finally:
+            concurrent.futures.wait(busy)
+            for buffer in buffers:
+                self._pool.give_back(buffer)
 
     def remove_stale(self):
         """Remove the swap folders in swap_dir whose owner is gone (their lock is free): a
@@ -535,6 +586,10 @@ class SwappedState:
         """Remove the files, free the buffers, and remove the folders of owners that are
         gone (also when the optimizer is collected, and at interpreter exit)."""
         self._finalizer()
+
+
+class _UndoFailed(Exception):
+    """A failed step's parameters could not all be put back (a second failure)."""
 
 
 class _Transfer:
@@ -578,9 +633,12 @@ class _StepRun:
         self.first_state = {}       # param -> its first piece's non-elementwise state
 
     def run(self, chunks):
+        """Step every chunk. On an error, the parameters of the chunks already stepped get
+        their values from before the step back (:meth:`undo`) before it is raised."""
         buffers = [self.pool.take() for _ in range(BUFFERS)]
         idle = list(buffers)
         reading, writing = None, []
+        held = {}                   # chunk index -> the buffer still holding its undo copy
         try:
             if chunks:
                 first = idle.pop()
@@ -595,9 +653,11 @@ class _StepRun:
                         # The oldest write's buffer is the next read's.
                         done, written = writing.pop(0)
                         self.stats.write += self._wait(written)
+                        held = {k: b for k, b in held.items() if b is not done}
                         idle.append(done)
                     following = idle.pop()
                     reading = (chunks[i + 1], following, self._read(chunks[i + 1], following))
+                held[i] = buffer
                 self._step(chunk, buffer)
                 runs = self._writes(chunk)
                 self.stats.bytes_written += sum(n for _, _, n in runs)
@@ -606,6 +666,15 @@ class _StepRun:
             while writing:
                 done, written = writing.pop(0)
                 self.stats.write += self._wait(written)
+        except BaseException:
+            # Every request finished before a buffer is read again or given back.
+            for transfer in [reading[2]] if reading else []:
+                transfer.settle()
+            for _, transfer in writing:
+                transfer.settle()
+            reading, writing = None, []
+            self.undo(chunks, held, buffers)
+            raise
         finally:
             for transfer in [reading[2]] if reading else []:
                 transfer.settle()
@@ -613,6 +682,46 @@ class _StepRun:
                 transfer.settle()
             for buffer in buffers:
                 self.pool.give_back(buffer)
+
+    def undo(self, chunks, held=None, buffers=None):
+        """Give the parameters of the chunks stepped their values from before the step: from
+        the buffer that still holds a chunk's undo copy (``held``), else read back from the
+        new generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
+        that read fails (the parameters are then half-stepped)."""
+        held = held or {}
+        own = buffers is None
+        if own:
+            buffers = [self.pool.take()]
+        try:
+            for i, buffer in held.items():
+                if i < self.applied:
+                    self._put_back(chunks[i], buffer)
+            # Put back from memory first: then every buffer is free to read into.
+            scratch = buffers[0]
+            for i in range(self.applied):
+                if i in held:
+                    continue
+                runs = segments(chunks[i], lambda piece, slot: None,
+                                undo=lambda piece: piece.undo.file_offset)
+                try:
+                    self.submit(self.out, scratch, runs, False, []).wait()
+                except BaseException as e:
+                    raise _UndoFailed(
+                        f"a swapped optimizer step failed, and the values of the parameters of "
+                        f"chunk {i + 1} of {len(chunks)} could not be read back ({e}): the "
+                        "state of the last good generation is kept, but parameters moved: "
+                        "restore a commit (State.restore()) or load a checkpoint before "
+                        "stepping again") from e
+                self._put_back(chunks[i], scratch)
+        finally:
+            if own:
+                self.pool.give_back(buffers[0])
+
+    @staticmethod
+    def _put_back(chunk, buffer):
+        for piece in chunk:
+            slot = piece.undo
+            piece.values().copy_(buffer.view(slot.buffer_offset, piece.param.dtype, slot.shape))
 
     def _wait(self, transfer):
         began = time.perf_counter()
@@ -627,16 +736,18 @@ class _StepRun:
 
         def where(piece, slot):
             kept = self.old.get(piece.param)
-            if kept is None:
-                return None
-            entry = next(e for e in kept.entries if e.key == slot.entry.key)
+            entry = None if kept is None else \
+                next((e for e in kept.entries if e.key == slot.entry.key), None)
+            if entry is None:
+                return None     # no state before (new to the layout, or its key is)
             return entry.offset + (slot.file_offset - slot.entry.offset)
 
         return segments(chunk, where)
 
     def _writes(self, chunk):
         return segments(chunk, lambda piece, slot: slot.file_offset
-                        if piece.first or slot.entry.elementwise else None)
+                        if piece.first or slot.entry.elementwise else None,
+                        undo=lambda piece: piece.undo.file_offset)
 
     def _read(self, chunk, buffer):
         return self.submit(self.source, buffer, self._reads(chunk), False, self.intervals)
@@ -651,6 +762,9 @@ class _StepRun:
         flat_grads = {}
         for piece in chunk:
             p = piece.param
+            # The undo copy: the values this step may move, put back if any chunk fails.
+            buffer.view(piece.undo.buffer_offset, p.dtype, piece.undo.shape) \
+                .copy_(piece.values())
             if piece.whole:
                 piece.tensor = p
             else:
@@ -662,7 +776,10 @@ class _StepRun:
             kept = self.old.get(p) if self.old is not None else None
             if kept is not None:
                 values = dict(kept.plain)
+                known = {entry.key for entry in kept.entries}
                 for slot in piece.slots:
+                    if slot.entry.key not in known:
+                        continue        # state the optimizer makes at this step
                     view = buffer.view(slot.buffer_offset, slot.entry.dtype, slot.shape)
                     device = p.device if slot.entry.on_device else view.device
                     if slot.entry.elementwise and not p.is_contiguous():
@@ -756,6 +873,20 @@ def _close(pool, io, root, root_fd, directory, owner):
     # A worker Horovod removed from the job ends without its clean-up: the last to leave
     # takes its folder too.
     remove_unlocked_folders(directory, PREFIX)
+
+
+def _features(group):
+    """Which of a param group's hyper-parameters are on: a number by whether it is 0, any
+    other value as itself (hashable)."""
+    def on(value):
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) or torch.is_tensor(value) and value.numel() == 1:
+            return float(value) != 0.0
+        if isinstance(value, (tuple, list)):
+            return tuple(on(v) for v in value)
+        return repr(value)
+    return tuple(sorted((key, on(value)) for key, value in group.items() if key != "params"))
 
 
 def _merged(intervals):

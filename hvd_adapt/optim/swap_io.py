@@ -108,6 +108,14 @@ class SwapFile:
             raise SwapError(e.errno, f"cannot reserve {nbytes} bytes for {self.name}: "
                             f"{os.strerror(e.errno)} (errno {_code(e.errno)})") from e
 
+    def truncate(self, nbytes):
+        """Cut the file to ``nbytes``; the blocks past it go back to the file system."""
+        try:
+            os.ftruncate(self.fd, nbytes)
+        except OSError as e:
+            raise SwapError(e.errno, f"cannot cut {self.name} to {nbytes} bytes: "
+                            f"{os.strerror(e.errno)} (errno {_code(e.errno)})") from e
+
     def read(self, memory, offset):
         return self._transfer(memory, offset, write=False)
 

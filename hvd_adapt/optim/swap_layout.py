@@ -175,17 +175,25 @@ class Slot:
 class Piece:
     """A parameter (``start`` 0, ``stop`` None: whole, stepped as itself) or an element range
     of it (stepped as a flat view) in a chunk. ``first``: the piece that writes the
-    parameter's non-elementwise tensors (a step count), which every piece keeps a copy of."""
+    parameter's non-elementwise tensors (a step count), which every piece keeps a copy of.
+    ``undo``: a :class:`Slot` for the piece's parameter values before the step (entry None),
+    in the buffer after its state and in the generation's file after the layout's end."""
 
     def __init__(self, param, group, start, stop, first):
         self.param, self.group, self.start, self.stop, self.first = \
             param, group, start, stop, first
         self.slots = []
+        self.undo = None
         self.tensor = None          # what the optimizer steps (set during a step)
 
     @property
     def whole(self):
         return self.stop is None
+
+    def values(self):
+        """The parameter's values this piece steps, as a tensor that shares its memory."""
+        p = self.param.detach()
+        return p if self.whole else p.view(-1)[self.start:self.stop]
 
     def label(self):
         where = "" if self.whole else f" elements [{self.start}, {self.stop})"
@@ -193,8 +201,9 @@ class Piece:
 
 
 def piece_bytes(tensors, numel, param):
-    """Buffer bytes of a piece of ``numel`` elements of ``param`` with state ``tensors``."""
-    total = 0
+    """Buffer bytes of a piece of ``numel`` elements of ``param`` with state ``tensors``, and
+    the piece's parameter values before the step (its undo copy)."""
+    total = aligned(numel * param.element_size())
     for _, dtype, shape, _ in tensors:
         size = torch.empty((), dtype=dtype).element_size()
         total += aligned((numel if shape is None else _numel(shape)) * size)
@@ -202,11 +211,12 @@ def piece_bytes(tensors, numel, param):
 
 
 def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
-    """Chunks of pieces covering every parameter of ``layout``, each chunk's state within
-    ``buffer_bytes``: ``[[Piece]]``. ``group_of[param]`` is its group index;
+    """Chunks of pieces covering every parameter of ``layout``, each chunk's state and undo
+    copy within ``buffer_bytes``: ``([[Piece]], end)``, ``end`` the file's size with the undo
+    area (which follows ``layout.nbytes``). ``group_of[param]`` is its group index;
     ``splittable(param)`` whether it may be stepped in pieces. Raises ``ValueError`` where
     a parameter fits no buffer."""
-    chunks, current, used = [], [], 0
+    chunks, current, used, end = [], [], 0, layout.nbytes
     for param_layout in layout.params:
         param = param_layout.param
         tensors = [(e.key, e.dtype, e.shape, e.on_device) for e in param_layout.entries]
@@ -219,8 +229,8 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
                 need = whole if not splittable(param) else \
                     piece_bytes(tensors, PIECE_ELEMENTS, param)
                 raise ValueError(
-                    f"swap_dir: the optimizer state of {describe(param)} takes "
-                    f"{whole / 2 ** 20:.2f} MiB"
+                    f"swap_dir: the optimizer state of {describe(param)}, with the undo copy "
+                    f"of its values, takes {whole / 2 ** 20:.2f} MiB"
                     + ("" if splittable(param) else f", and {_whole_because(param)}, so "
                        "it is stepped whole")
                     + f": pass swap_buffer_mb >= {need / 2 ** 20:.2f}")
@@ -244,11 +254,16 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
                 size = count * entry.element_size
                 piece.slots.append(Slot(entry, offset, file_offset, size, shape))
                 offset += aligned(size)
+            size = numel * param.element_size()
+            piece.undo = Slot(None, offset, end, size,
+                              tuple(param.shape) if stop is None else (numel,))
+            offset += aligned(size)
+            end += aligned(size)
             current.append(piece)
             used = offset
     if current:
         chunks.append(current)
-    return chunks
+    return chunks, end
 
 
 def _whole_because(param):
@@ -263,24 +278,26 @@ def _whole_because(param):
 def _piece_elements(tensors, param, buffer_bytes):
     """The most elements (a multiple of PIECE_ELEMENTS) of ``param`` whose state fits."""
     fixed = piece_bytes([t for t in tensors if t[2] is not None], 0, param)
-    per_element = sum(torch.empty((), dtype=dtype).element_size()
-                      for _, dtype, shape, _ in tensors if shape is None)
-    elementwise = sum(1 for t in tensors if t[2] is None)
-    # Each elementwise tensor may need up to one block of padding.
-    room = buffer_bytes - fixed - elementwise * BLOCK
-    if per_element == 0 or room <= 0:
+    per_element = param.element_size() + sum(torch.empty((), dtype=dtype).element_size()
+                                             for _, dtype, shape, _ in tensors if shape is None)
+    # No padding: PIECE_ELEMENTS elements of any dtype are a whole number of blocks.
+    room = buffer_bytes - fixed
+    if room <= 0:
         return 0
     return (room // per_element) // PIECE_ELEMENTS * PIECE_ELEMENTS
 
 
-def segments(pieces, file_offset_of):
+def segments(pieces, file_offset_of, undo=None):
     """The I/O of a chunk: ``[(file offset, buffer offset, bytes)]``, block-aligned, adjacent
     runs merged. ``file_offset_of(piece, slot)`` is the slot's offset in the file read or
-    written, None to skip it."""
+    written, None to skip it; ``undo(piece)`` the same for the piece's undo copy (None: no
+    undo copies moved)."""
     out = []
     for piece in pieces:
-        for slot in piece.slots:
-            where = file_offset_of(piece, slot)
+        slots = [(slot, file_offset_of(piece, slot)) for slot in piece.slots]
+        if undo is not None:
+            slots.append((piece.undo, undo(piece)))
+        for slot, where in slots:
             if where is None:
                 continue
             size = aligned(slot.nbytes)

@@ -7,10 +7,14 @@ each sample exactly once and that accumulator totals equal the closed form of
 a run without resizes.
 """
 import collections
+import os
+import sys
+import tempfile
 
 import pytest
 
-from elastic_jobs import run_elastic, sizes_in_order
+from elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order
+from launch import WORKERS, run_job
 from training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
@@ -101,3 +105,20 @@ def test_an_addition_between_a_removal_and_its_reset_joins_a_full_sync():
     assert {(e["host"], e["size"]) for e in after} == {("localhost", 2)}, after[:4]
     check_exactly_once(commits, epochs, 3)
     check_identical_replicas(commits)
+
+
+def test_a_raw_hvd_elastic_run_grows_with_a_worker_slow_to_start():
+    """hvd_adapt.init() with Horovod's own hvd.elastic.run: its resets have no meeting, so
+    they keep Horovod's Gloo timeout (30 s), and a joiner 12 s slow to start joins; its
+    own init() meets the survivors in Gloo's rendezvous. When hvd_adapt.init() left its
+    5 s timeout in the environment for every later hvd.init(), the survivors gave up on
+    the joiner and the job died, and the joiner's meeting waited for them in vain."""
+    out_dir = tempfile.mkdtemp(prefix="hvd_adapt_raw_elastic_")
+    script = discovery_script(out_dir, [(0, ["localhost:2"]), (3, ["localhost:3"])])
+    command = [sys.executable, FAST_HOROVODRUN, "-np", "2", "--min-np", "2", "--max-np", "3",
+               "--network-interface", "lo", "--host-discovery-script", script,
+               sys.executable, os.path.join(WORKERS, "raw_elastic.py"), "--slow-join", "12",
+               "--steps", "30"]
+    job = run_job(command, out_dir=out_dir, timeout=150)
+    job.check()
+    assert job.reports[0] == {"sizes": [2, 3], "step": 30}, job.reports

@@ -2,9 +2,13 @@
 every step, bitwise those of the same job with the state in memory, also where the state's
 layout changes (a layer unfrozen after a commit and a restore, a param group added, a rank
 joining afresh and syncing, as at a resize) and large weights are stepped in pieces."""
+import json
+
 import pytest
 
+from elastic_jobs import run_elastic, sizes_in_order
 from launch import run_ranks
+from training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = pytest.mark.distributed
 
@@ -55,3 +59,68 @@ def test_a_full_disk_on_one_rank_fails_the_step_on_every_rank_alike(tmp_path):
         assert "No space left on device (errno ENOSPC)" in reports[rank]["error"], rank
         assert reports[rank]["unchanged"], rank
     assert reports[0]["after"] == reports[1]["after"], "training went on alike"
+
+
+def test_a_step_that_fails_part_way_on_one_rank_is_undone_on_every_rank(tmp_path):
+    reports = run_ranks("swap_faults.py", np=2, args=[tmp_path]).check().reports
+    for rank in (0, 1):
+        steps = {s["label"]: s for s in reports[rank]["steps"]}
+        for label, step in steps.items():
+            assert step["in_memory"], (rank, label)
+            if label[0] == "8":
+                continue        # judged below
+            assert step["as_in_memory"], (rank, label)
+            if label[0] in "35":
+                assert step["unchanged"], (rank, label)
+                assert step["error"], (rank, label)
+            else:
+                assert step["error"] is None, (rank, label)
+        own = {"3 rank 0 optimizer error": (0, "RuntimeError: the inner optimizer failed"),
+               "5 rank 1 read EIO": (1, "the file ends there (errno EIO)")}
+        for label, (failing, message) in own.items():
+            assert message in steps[label]["error"], (rank, label)
+            if rank != failing:
+                assert steps[label]["error"].startswith(
+                    "SwapError: [Errno 5] the optimizer step was not taken on any rank"), rank
+                assert f"rank {failing}: " in steps[label]["error"], rank
+        # Rank 0 cannot put its parameters back and says so; rank 1 undoes its step; no
+        # rank waits for another; a restore brings both back.
+        lost = steps["8 rank 0 loses its undo area"]["error"]
+        assert "could not be read back" in lost and "restore a commit" in lost, (rank, lost)
+        if rank == 1:
+            assert lost.startswith("SwapError: [Errno 5] the optimizer step was not taken"), lost
+            assert steps["8 rank 0 loses its undo area"]["unchanged"]
+
+
+def held_after_each_step(commits):
+    """(step, world size) -> the set of every rank's (parameters, optimizer state, scale,
+    noise) digests after that step."""
+    held = {}
+    for entry in commits:
+        if entry["optim"]:
+            held.setdefault((entry["step"], entry["size"]), set()).add(
+                (entry["params"], json.dumps([entry.get("noise"), entry.get("optimizer"),
+                                              entry.get("scale")])))
+    return held
+
+
+@pytest.mark.elastic
+def test_an_elastic_resize_2_1_2_with_the_state_on_disk_is_bitwise_the_job_in_memory(tmp_path):
+    # Elastic horovodrun, discovery 2 -> 1 -> 2 hosts: the removed worker's state goes,
+    # the joining one gets rank 0's through the sync, a chunk at a time; bf16 autocast,
+    # GradScaler and AdamW, as the same job with the state in memory, bit for bit.
+    schedule = [(0, ["localhost:2"]), (5, ["localhost:1"]), (10, ["localhost:2"])]
+    args = ["--adamw", "--amp", "--batch-size", "8", "--epochs", "3", "--wait-steps", "[5, 10]"]
+    held = []
+    for extra in ([], ["--swap-dir", str(tmp_path)]):
+        job, commits, epochs = run_elastic(schedule, np=2, min_np=1, max_np=2,
+                                           worker_args=args + extra)
+        job.check()
+        assert sizes_in_order(commits) == [2, 1, 2], sizes_in_order(commits)
+        check_exactly_once(commits, epochs, 3)
+        check_identical_replicas(commits)
+        held.append(held_after_each_step(commits))
+    memory, swapped = held
+    assert sorted(swapped) == sorted(memory)
+    for key in sorted(memory):
+        assert swapped[key] == memory[key], key

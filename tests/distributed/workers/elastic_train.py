@@ -161,6 +161,10 @@ def main():
                         help="bf16 autocast with a GradScaler (in the optimizer and the State)")
     parser.add_argument("--inf-steps", type=json.loads, default=[],
                         help="steps at which the last rank's loss overflows (the scale backs off)")
+    parser.add_argument("--slow-batches", default=None,
+                        help="HOST:LOCAL_RANK:SECONDS: the worker started in that slot waits "
+                             "this long at the start of every batch, before any collective "
+                             "(a slow data loader): slow, but healthy")
     parser.add_argument("--slow-join", type=float, default=0.0,
                         help="a worker started after the job committed once sleeps this long "
                              "before init(), as on a cluster (ssh, container, imports)")
@@ -200,6 +204,12 @@ def main():
     hvd_adapt.init()
     # After init(): a standby worker gets its slot's environment there.
     host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    slow_seconds = 0.0
+    if args.slow_batches:
+        slow_host, slow_rank, seconds = args.slow_batches.split(":")
+        if (host, os.environ.get("HOROVOD_LOCAL_RANK")) == (slow_host, slow_rank):
+            slow_seconds = float(seconds)
+            open(out_path(f"slow.{os.getpid()}"), "w").close()
     torch.manual_seed(0)
     # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
     device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
@@ -308,6 +318,7 @@ def main():
                     os.rename(folder, folder + ".moved")
                     open(folder, "w").close()
             for x, idx in loader:
+                time.sleep(slow_seconds)
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hosts > 1 and state.step >= world_start + 2:

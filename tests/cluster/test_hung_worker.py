@@ -1,0 +1,67 @@
+"""A hung worker in a 3-host elastic job on the namespace cluster: h3's training process is
+SIGSTOPped (for 30 s, or for good) while discovery still lists h3. Its watchdog
+(hvd_adapt/_runtime/watchdog.py) kills it once its peers reset, the driver records the
+failure, and the survivors train on in a world of two; after the blacklist's cooldown
+h3 rejoins with a fresh worker. On main the survivors waited for the stopped worker: 30 s
+in a collective that then went on at three (no world of two), or for good.
+
+Each job gets ``after_fault`` seconds after the fault: about 15 s of training and a cold
+rejoin, far less than a hang."""
+import os
+import signal
+import threading
+
+import faults
+from training_logs import check_exactly_once, check_identical_replicas
+
+EPOCHS = 4    # one more than the crash tests: time for h3's cold rejoin
+
+
+def stop_h3(seconds=None):
+    """SIGSTOP h3's training process, and SIGCONT it ``seconds`` later (None: never)."""
+    def inject(bed, job):
+        job.stopped = faults.worker_pid(bed, "h3")
+        bed.stop(job.stopped)
+        if seconds is not None:
+            resume = threading.Timer(seconds, resume_if_there, (job.stopped,))
+            resume.daemon = True
+            resume.start()
+    return inject
+
+
+def resume_if_there(pid):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass    # its watchdog killed it
+
+
+def check_trained_on(job):
+    """The job ended within its bound, every sample once per epoch, replicas identical, and
+    the survivors trained in a world of two after the fault."""
+    assert job.returncode == 0, job.describe()
+    check_exactly_once(job.commits, job.epochs, EPOCHS, samples=faults.SAMPLES)
+    check_identical_replicas(job.commits)
+    after = {entry["size"] for entry in job.commits if entry["time"] > job.fault_time}
+    assert 2 in after, (after, job.describe())
+
+
+def check_h3_rejoined(job):
+    """A worker on h3 other than the stopped one committed in a world of three after the
+    fault (the stopped one never committed again)."""
+    fresh = {entry["pid"] for entry in job.commits
+             if entry["host"] == "h3" and entry["time"] > job.fault_time}
+    assert fresh and f"commits.{job.stopped}.jsonl" not in fresh, (fresh, job.describe())
+    assert "killing the worker: it is stopped while its peers reset" in job.output
+
+
+def test_a_worker_stopped_for_30_seconds_is_replaced(bed, job_dir):
+    job = faults.run_fault(bed, job_dir, stop_h3(30), after_fault=90, epochs=EPOCHS)
+    check_trained_on(job)
+    check_h3_rejoined(job)
+
+
+def test_a_worker_stopped_for_good_is_replaced(bed, job_dir):
+    job = faults.run_fault(bed, job_dir, stop_h3(), after_fault=90, epochs=EPOCHS)
+    check_trained_on(job)
+    check_h3_rejoined(job)
