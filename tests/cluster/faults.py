@@ -160,22 +160,34 @@ def wait_for_commit(job, size, since, timeout):
     return False
 
 
-def partition_then_heal(bed, job, trained_on=45):
-    """Cut h3; once the survivors have committed at 2 (within ``trained_on`` s), end what
-    is left of h3's old worker and heal the link: h3 answers again and rejoins.
-    ``job.heal_time`` is when the link came back (None where the survivors never trained
-    on). The old worker is ended by hand because it would otherwise answer for h3's slot
-    in the next world (the stub's watchdog of branch r2-36-hung ends it by itself)."""
-    job.heal_time = None
+def partition_then_heal(bed, job, trained_on=45, ends_itself=40):
+    """Cut h3; once the survivors have committed at 2 (within ``trained_on`` s), wait for
+    h3's old worker to end itself (its watchdog, hvd_adapt/_runtime/watchdog.py: the
+    rendezvous server silent for HVD_ADAPT_UNREACHABLE_SECONDS, 10 s) and heal the link:
+    h3 answers again and rejoins with a fresh worker. A worker left alive would answer for
+    h3's slot in the next world. ``job.heal_time`` is when the link came back (None where
+    the survivors never trained on); ``job.ended_itself`` whether the old worker was gone
+    within ``ends_itself`` s of the survivors' commit (it is killed then, so the job goes
+    on, and the test fails on it)."""
+    job.heal_time, job.ended_itself = None, None
     bed.cut("h3")
     if wait_for_commit(job, 2, job.fault_time, trained_on):
-        for pid in bed.find("h3", "elastic_train.py"):
+        deadline = time.monotonic() + ends_itself
+        while _python_workers(bed, "h3") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _python_workers(bed, "h3")
+        job.ended_itself = not left
+        for pid in left:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
         job.heal_time = time.time()
         bed.heal("h3")
+
+
+def _python_workers(bed, host):
+    return [pid for pid in bed.find(host, "elastic_train.py") if _exe(pid).startswith("python")]
 
 
 def stop_job(bed, proc):
@@ -193,8 +205,7 @@ def stop_job(bed, proc):
 
 def worker_pid(bed, host):
     """The training process of the worker on ``host`` (not its ssh or shell)."""
-    pids = [pid for pid in bed.find(host, "elastic_train.py")
-            if _exe(pid).startswith("python")]
+    pids = _python_workers(bed, host)
     assert pids, f"no worker on {host}"
     return max(pids)
 

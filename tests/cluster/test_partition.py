@@ -49,12 +49,14 @@ def test_survivors_train_on_after_a_silent_partition(bed, job_dir, fault):
 
 
 def test_a_healed_host_rejoins(bed, job_dir):
-    """Cut h3, the survivors train at 2, heal: h3 answers again, rejoins, and the job trains
-    at 3 to its end; every sample once per epoch throughout, replicas identical."""
+    """Cut h3, the survivors train at 2, h3's cut-off worker ends itself (its watchdog),
+    heal: h3 answers again, rejoins with a fresh worker, and the job trains at 3 to its
+    end; every sample once per epoch throughout, replicas identical."""
     job = faults.run_fault(bed, job_dir, faults.partition_then_heal, epochs=14,
                            after_fault=120, wrapped_discovery=True, launcher_args=COOLDOWN)
     try:
         assert job.heal_time is not None, f"never trained on at 2: {job.describe()}"
+        assert job.ended_itself, f"h3's cut-off worker did not end itself: {job.describe()}"
         check_trained(job, epochs=14)
         assert 3 in sizes_after(job, job.heal_time), job.describe()
     finally:
