@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 import hvd_adapt
 from hvd_adapt import AdaptiveDataLoader, DistributedOptimizer, State
+from hooked_optimizer import HookedAdamW
 from second_user import as_other_user, shared_tmp  # noqa: F401 (a fixture)
 
 
@@ -420,27 +421,12 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     assert_same(pairs)
 
 
-class _Hooked(torch.optim.AdamW):
-    """AdamW that calls ``after[n]()`` after its n-th step from now (with swap_dir, a step
-    per chunk), once the parameters of that call have moved."""
-    after = {}
-    calls = 0
-
-    def step(self, closure=None):
-        result = super().step(closure)
-        hook = self.after.pop(self.calls, None)
-        self.calls += 1
-        if hook is not None:
-            hook()
-        return result
-
-
 def deep():
     layers = []
     for _ in range(8):
         layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers)
-    return model, _Hooked(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, HookedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _raise():

@@ -45,7 +45,6 @@ Horovod's own ``hvd.elastic.run`` puts no marker, so only the second rule
 guards it.
 """
 import argparse
-import ctypes
 import logging
 import mmap
 import os
@@ -57,6 +56,7 @@ import time
 
 from .._checks import seconds_from_environment
 from .gloo import RendezvousServer
+from .parent_death import death_signal_setter
 
 log = logging.getLogger("hvd_adapt")
 
@@ -69,7 +69,6 @@ UNREACHABLE_VARIABLE = "HVD_ADAPT_UNREACHABLE_SECONDS"
 UNREACHABLE_SECONDS = 10.0
 # step seconds, resets entered, in a reset (0/1)
 _PAGE = struct.Struct("<dqq")
-_PR_SET_PDEATHSIG = 1    # linux/prctl.h
 # The grace follows a slow phase at once and a fast one slowly: one quick step
 # (a short last batch) does not shorten it.
 _STEP_DECAY = 0.9
@@ -194,12 +193,6 @@ def start(server, collective_timeout):
     return beacon
 
 
-def _die_with_parent():
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="hvd_adapt's watchdog of one worker")
     parser.add_argument("--pid", type=int, required=True)
@@ -209,7 +202,7 @@ def main(argv=None):
     parser.add_argument("--grace", type=float, default=GRACE_SECONDS)
     parser.add_argument("--unreachable", type=float, default=UNREACHABLE_SECONDS)
     args = parser.parse_args(argv)
-    _die_with_parent()
+    death_signal_setter()()
     if os.getppid() != args.pid:
         return    # the worker ended before the line above
     handler = logging.StreamHandler()

@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 
+from .._runtime.parent_death import death_signal_setter
 from .._runtime.private_files import (UnsafePathError, check_owned, private_folder,
                                       read_own_file, user_runtime_folder, write_file_atomically)
 from .ready import ready_files
@@ -168,14 +169,11 @@ def wait_for_handover():
 def _die_with_parent(parent):
     """A ``preexec_fn``: the kernel kills the script when the supervisor ``parent`` dies
     (``PR_SET_PDEATHSIG``, Linux), so a killed supervisor leaves no script behind."""
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl     # looked up before the fork
-    pr_set_pdeathsig = 1
+    set_death_signal = death_signal_setter()     # looked up before the fork
 
     def preexec():
         # An exception here ends the child before the script starts (Popen reports it).
-        if prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        set_death_signal()
         if os.getppid() != parent:
             raise ChildProcessError("the supervisor died before the script started")
     return preexec

@@ -5,11 +5,15 @@ parameters and state bitwise as before the step, and then train on bitwise as th
 memory that never took that step. Reports per step for tests/distributed/test_swap_two_ranks.py."""
 import argparse
 import os
+import sys
 
 import torch
 
 import hvd_adapt
 from _report import report
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.py)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("swap_dir")
@@ -20,20 +24,6 @@ rank = hvd_adapt.env.rank()
 swap_dir = os.path.join(args.swap_dir, f"rank{rank}")
 
 
-class Hooked(torch.optim.AdamW):
-    """AdamW that calls ``after[n]()`` after its n-th step from now (a chunk's step)."""
-    after = {}
-    calls = 0
-
-    def step(self, closure=None):
-        result = super().step(closure)
-        hook = self.after.pop(self.calls, None)
-        self.calls += 1
-        if hook is not None:
-            hook()
-        return result
-
-
 def build(where):
     torch.manual_seed(0)
     layers = []
@@ -42,7 +32,7 @@ def build(where):
     model = torch.nn.Sequential(*layers)
     # Buffers of 36 KiB: 8 chunks of two parameters; a fault at chunk 6 puts chunks 0-3
     # back from the undo area on disk, the later ones from the buffers.
-    inner = Hooked(model.parameters(), lr=1e-2, weight_decay=0.1)
+    inner = HookedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = hvd_adapt.DistributedOptimizer(inner, swap_dir=where,
                                          swap_buffer_mb=36 / 1024 if where else None)
     return model, opt
