@@ -83,24 +83,26 @@ def params_digest(model):
 
 
 class Tokens(torch.nn.Module):
-    """Compute-bound: each sample as 1024 tokens through 8 layers of width 256 (0.5M
-    parameters, ~3 GFLOP a sample)."""
+    """Compute-bound: each sample as ``tokens`` tokens (1024: ~3 GFLOP a sample) through 8
+    layers of width 256 (0.5M parameters)."""
 
-    def __init__(self):
+    def __init__(self, tokens):
         super().__init__()
+        self.tokens = tokens
         self.embed = torch.nn.Linear(4, 256)
         self.body = torch.nn.Sequential(*[m for _ in range(8)
                                           for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
         self.head = torch.nn.Linear(256, 1)
 
     def forward(self, x):
-        tokens = x.unsqueeze(1) * torch.linspace(0.5, 1.5, 1024, device=x.device).view(1, 1024, 1)
+        tokens = x.unsqueeze(1) * torch.linspace(0.5, 1.5, self.tokens,
+                                                 device=x.device).view(1, self.tokens, 1)
         return self.head(self.body(self.embed(tokens))).mean(dim=1)
 
 
-def build_model(kind):
+def build_model(kind, tokens):
     if kind == "deep":
-        return Tokens()
+        return Tokens(tokens)
     if kind == "wide":
         # Communication-bound: 8.4M parameters and almost no compute per sample.
         return torch.nn.Sequential(torch.nn.Linear(4, 2048), torch.nn.Linear(2048, 4096),
@@ -190,6 +192,11 @@ def main():
     parser.add_argument("--drain", action="store_true",
                         help="a SIGTERM drains the job into --checkpoint")
     parser.add_argument("--batch-seconds", type=float, default=0.0)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per sample of --model deep")
+    parser.add_argument("--sample-seconds", type=float, default=0.0,
+                        help="seconds each sample's forward and backward sleep: the compute of "
+                             "a host's own accelerator, which workers sharing this machine's "
+                             "cores do not have")
     parser.add_argument("--swap-dir", default=None,
                         help="the optimizer's state on disk in this folder")
     parser.add_argument("--commit-every", type=int, default=1,
@@ -213,7 +220,7 @@ def main():
     torch.manual_seed(0)
     # HVD_ADAPT_TEST_DEVICE=cuda: the GPU tests run the same job on the replicas' GPUs.
     device = hvd_adapt.env.device(os.environ.get("HVD_ADAPT_TEST_DEVICE", "cpu"))
-    model = build_model(args.model).to(device)
+    model = build_model(args.model, args.tokens).to(device)
     # Weight decay with momentum or AdamW: a sync that stepped the optimizer (as
     # Horovod's broadcast_optimizer_state does) would show as replicas that differ.
     if args.adamw:
@@ -328,6 +335,7 @@ def main():
                 opt.zero_grad()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
                     loss = model(x.to(device)).pow(2).mean()
+                time.sleep(args.sample_seconds * len(x))
                 if state.step in args.inf_steps and hvd.rank() == hvd.size() - 1:
                     loss = loss * float("inf")
                 if scaler is not None:
