@@ -10,14 +10,15 @@ parameters, batch 32 of 16 tokens). Small models hide communication costs;
 the large ones show whether gradients are averaged while backward still
 runs, as ``hvd.DistributedOptimizer`` does; the transformer shows the Python
 work done per parameter tensor (hooks, buckets, norms). The
-plain loop the plain one uses torch's DataLoader with a DistributedSampler
+plain loop uses torch's DataLoader with a DistributedSampler
 and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
 hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()``. Each
-process runs the two loops in alternating rounds and reports median step
-times after warm-up, the median over rounds of the ratio of the two loops'
-median step times (the ratio the goal is set on) with a bootstrap 90%
-interval over rounds, and the ratio of mean step times (which includes the
-commits' snapshots). ``ledger_ms`` is the median time of the optimizer's check
+process builds both loops once and runs them in alternating blocks of steps
+(a round: one block of each, the order flipped every round), and reports
+median step times after warm-up, the median over rounds of the ratio of the
+two loops' median step times in the round (the ratio the goal is set on)
+with a bootstrap 90% interval over rounds, and the ratio of mean step times
+(which includes the commits' snapshots). ``ledger_ms`` is the median time of the optimizer's check
 at the step (``synchronize()`` after backward: the ledger's identity checks
 and the bitmask every rank agrees on), ``ledger_share`` its share of the
 hvd_adapt loop's median step.
@@ -60,7 +61,9 @@ def worker(args):
     local_bsz = args.batch_size // size
     width, depth = MODELS[args.model][:2]
     gen = torch.Generator().manual_seed(0)
-    samples = local_bsz * size * (args.steps + args.warmup + 5)
+    # One pass over the data serves a loop's every step (warm-up and 2 a block
+    # more, with room for the loader's last short batch).
+    samples = local_bsz * size * (args.steps + 2 * args.rounds + args.warmup + 5)
     shape = (samples, TOKENS, width) if args.model.startswith("transformer") else (samples, width)
     data = TensorDataset(torch.randn(*shape, generator=gen),
                          torch.randint(0, 10, (samples,), generator=gen))
@@ -80,14 +83,12 @@ def worker(args):
         model = torch.nn.Sequential(*layers).to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def timed(batches, steps, step, ends_step=lambda: True):
-        """Seconds between consecutive ends of optimizer steps, for ``steps`` of them;
-        ``step(i, x, y)`` runs each batch, ``ends_step()`` says whether it ended one (a
-        step measuring the noise alone comes as two half batches)."""
-        times, last, i = [], None, 0
+    def step_ends(batches, step, ends_step=lambda: True):
+        """The time at the end of each optimizer step, one per ``next()``: ``step(i, x, y)``
+        runs each batch, ``ends_step()`` says whether it ended one (a step measuring the
+        noise alone comes as two half batches)."""
+        i = 0
         for x, y in batches:
-            if i == steps:
-                break
             step(i, x.to(device), y.to(device))
             if not ends_step():
                 continue
@@ -95,13 +96,9 @@ def worker(args):
             if device.type == "cuda":
                 # Step times mean the same as on the CPU: the device's work included.
                 torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            if last is not None:
-                times.append(now - last)
-            last = now
-        return times
+            yield time.perf_counter()
 
-    def plain(steps):
+    def plain():
         model, sgd = model_and_sgd()
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -115,9 +112,9 @@ def worker(args):
             loss.backward()
             opt.step()
             total[0] += loss.item()
-        return timed(loader, steps, step)
+        return step_ends(loader, step)
 
-    def adaptive(steps):
+    def adaptive():
         model, sgd = model_and_sgd()
         opt = hvd_adapt.DistributedOptimizer(sgd, measure_noise=args.measure_noise)
         loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=args.batch_size, shuffle=True)
@@ -139,25 +136,37 @@ def worker(args):
             stats["loss"] += loss.item()
             if i % args.commit_every == 0 and loader.is_optim_step():
                 state.commit()
-        return timed(loader, steps, step, loader.is_optim_step)
+        return step_ends(loader, step, loader.is_optim_step)
 
     loops = {"plain": plain, "hvd_adapt": adaptive}
     ledger = []
     if args.memory_of:
         baseline = peak_memory(device)
-        loops[args.memory_of](args.warmup)
+        ends = loops[args.memory_of]()
+        for _ in range(args.warmup):
+            next(ends)
         if hvd.rank() == 0:
             with open(args.out, "w") as f:
                 json.dump({"peak_bytes": peak_memory(device) - baseline}, f)
         return
-    results = {"plain": [], "hvd_adapt": []}
+    # Both loops are built once and run in alternating blocks of steps, the
+    # order flipped every round (plain first, then hvd_adapt first): drift on a
+    # shared machine and the cost of switching between two models' memory
+    # fall on both alike.
+    ends = {name: loop() for name, loop in loops.items()}
+    for name in ends:
+        for _ in range(args.warmup):
+            next(ends[name])
     ledger.clear()
+    results = {"plain": [], "hvd_adapt": []}
     round_ratios = []
-    per_round = (args.steps + args.warmup) // args.rounds
-    for _ in range(args.rounds):
+    per_round = args.steps // args.rounds
+    for r in range(args.rounds):
         medians = {}
-        for name, loop in loops.items():
-            times = loop(per_round)[args.warmup // args.rounds:]
+        for name in (list(ends) if r % 2 == 0 else list(ends)[::-1]):
+            # The block's first step follows the other loop's: left out.
+            stamps = [next(ends[name]) for _ in range(per_round + 2)][1:]
+            times = np.diff(stamps).tolist()
             results[name] += times
             medians[name] = np.median(times)
         round_ratios.append(medians["hvd_adapt"] / medians["plain"])
@@ -171,6 +180,7 @@ def worker(args):
                        "ledger_share": float(np.median(ledger) / np.median(results["hvd_adapt"])),
                        "ratio": float(np.median(round_ratios)),
                        "ratio_interval": median_interval(round_ratios),
+                       "round_ratios": [float(x) for x in round_ratios],
                        "steps": len(results["plain"])}, f)
 
 
@@ -185,8 +195,8 @@ def median_interval(values, level=0.9, resamples=2000):
 
 
 # name: (width, depth, global batch, timed steps, rounds)
-MODELS = {"mlp-small": (256, 2, 64, 1200, 12), "mlp-8m": (1024, 8, 64, 320, 16),
-          "mlp-25m": (2048, 6, 32, 160, 16), "transformer-24": (128, 24, 32, 240, 12)}
+MODELS = {"mlp-small": (256, 2, 64, 1200, 12), "mlp-8m": (1024, 8, 64, 320, 32),
+          "mlp-25m": (2048, 6, 32, 160, 16), "transformer-24": (128, 24, 32, 240, 24)}
 TOKENS = 16
 
 
@@ -243,8 +253,12 @@ def launch(np_, args, memory_of=None):
         script.append("--measure-noise")
     if memory_of:
         script += ["--memory-of", memory_of]
+    # Both loops live in one process: together they name more collectives
+    # (434 per step on the transformer, plus each loop's broadcasts) than
+    # Horovod's response cache holds by default (1024), and evictions would
+    # slow whichever loop ran second; either loop alone fits.
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", HOROVOD_CACHE_CAPACITY="8192")
     if np_ == 1:
         command = [sys.executable] + script
     else:
