@@ -114,3 +114,31 @@ def test_without_the_probe_and_without_keepalive_one_line_names_the_fix(tmp_path
     err = capsys.readouterr().err
     assert err.count("ssh to h1 has no keepalive") == 1, err
     assert "'ServerAliveInterval 2' and 'ServerAliveCountMax 3' in ~/.ssh/config" in err
+
+
+# Two polls of the discovery by one "driver" (through Horovod's safe_shell_exec, as
+# the elastic driver runs it), each answer printed on a line of its own.
+POLLS = r"""
+import io, sys
+from horovod.runner.common.util import safe_shell_exec
+for _ in range(2):
+    out = io.StringIO()
+    safe_shell_exec.execute(sys.argv[1], stdout=out)
+    print(" ".join(out.getvalue().split()), flush=True)
+"""
+
+
+def test_a_later_job_with_the_same_arguments_starts_at_its_first_offer(tmp_path):
+    # Without --state the state file is this job's: a second job with the same hosts and
+    # arguments first offers --initial-np again, not the hosts the first job ended with.
+    (tmp_path / "hosts").write_text("h1:1\nh2:1\nh3:1\n")
+    discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --hostfile "
+                 f"{tmp_path}/hosts --ssh-port 0 --min-np 1 --initial-np 1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+               XDG_RUNTIME_DIR=str(tmp_path))
+    os.chmod(tmp_path, 0o700)
+    jobs = [subprocess.run([sys.executable, "-c", POLLS, discovery], capture_output=True,
+                           text=True, timeout=120, env=env).stdout.splitlines()
+            for _ in range(2)]
+    assert jobs == [["h1:1", "h1:1 h2:1 h3:1"]] * 2, jobs
+    assert len(os.listdir(tmp_path / "hvd_adapt" / "discover")) == 2

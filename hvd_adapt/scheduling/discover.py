@@ -229,9 +229,13 @@ def target_replicas(args, rule, kept, total, state, now):
 
 
 def default_state_path(args):
-    """The state file of this base discovery and hints: in this user's private runtime
-    folder (``$XDG_RUNTIME_DIR``, else a checked 0700 folder in the temp folder)."""
-    key = f"{zlib.crc32(repr((args.hostfile, args.command, args.hints)).encode()):08x}"
+    """The state file of this base discovery and hints, and under Horovod's driver of this
+    job (a later job with the same arguments starts afresh, at its first offer; two at once
+    keep apart): in this user's private runtime folder (``$XDG_RUNTIME_DIR``, else a
+    checked 0700 folder in the temp folder)."""
+    from .sessions import driver_key
+    key = repr((args.hostfile, args.command, args.hints, driver_key()))
+    key = f"{zlib.crc32(key.encode()):08x}"
     return os.path.join(user_runtime_folder("discover"), f"{key}.json")
 
 

@@ -29,6 +29,8 @@ Standard library only.
 
 >>> find_driver(pid=1) is None
 True
+>>> driver_key() is None          # run by hand, not by a driver
+True
 """
 import os
 import shutil
@@ -51,12 +53,13 @@ def _argv(pid):
 
 
 def _stat(pid):
-    """``(ppid, sid)`` of ``pid``, or None where it is gone (or no /proc)."""
+    """``(ppid, sid, start time)`` of ``pid`` (the start in clock ticks after boot), or None
+    where it is gone (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # The command name (field 2) may hold spaces and parentheses: split after it.
             fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[1]), int(fields[3])
+        return int(fields[1]), int(fields[3]), int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -77,6 +80,15 @@ def find_driver(pid=None):
     return stat[0]
 
 
+def driver_key():
+    """``"<pid>.<start time>"`` of the elastic driver that runs this discovery: a key of its
+    job that a later job never shares, even where it reuses the pid; None when run any other
+    way."""
+    driver = find_driver()
+    stat = None if driver is None else _stat(driver)
+    return None if stat is None else f"{driver}.{stat[2]}"
+
+
 def sessions(driver, hosts):
     """``{host: [pids]}``: the driver's processes (outside this process's session) that
     carry a command to one of ``hosts``."""
@@ -93,10 +105,10 @@ def sessions(driver, hosts):
             stat = _stat(int(name))
             if stat is not None:
                 table[int(name)] = stat
-    middlemen = {pid for pid, (ppid, sid) in table.items()
+    middlemen = {pid for pid, (ppid, sid, _) in table.items()
                  if ppid == driver and sid == pid and pid != own_session}
     found = {}
-    for pid, (_, sid) in table.items():
+    for pid, (_, sid, _) in table.items():
         if sid not in middlemen:
             continue
         argv = _argv(pid)
