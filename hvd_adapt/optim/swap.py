@@ -44,16 +44,21 @@ class SwapStats:
     """Seconds and bytes over swapped steps. ``read``/``write``: each chunk's I/O from its
     submission to its last byte; ``io``: time any I/O was in flight; ``hidden``: the part
     of it that overlapped compute (the step was not waiting for it); ``wait``: time the
-    step waited for I/O; ``step``: time in the optimizer's own step."""
+    step waited for I/O; ``step``: time in the optimizer's own step; ``copy``: copying the
+    undo copy into a buffer and the new state into place; ``agree``: the agreements between
+    ranks; ``total``: the whole swapped steps."""
 
     def __init__(self):
         self.read = self.wait = self.write = self.step = self.io = self.hidden = 0.0
+        self.copy = self.agree = self.total = 0.0
         self.bytes_read = self.bytes_written = 0
         self.steps = 0
 
     def as_dict(self):
         return {"swap_read_s": self.read, "swap_wait_s": self.wait,
                 "swap_write_s": self.write, "swap_step_s": self.step,
+                "swap_copy_s": self.copy, "swap_agree_s": self.agree,
+                "swap_total_s": self.total,
                 "swap_io_s": self.io, "swap_hidden_s": self.hidden,
                 "swap_read_bytes": self.bytes_read, "swap_written_bytes": self.bytes_written,
                 "swap_steps": self.steps}
@@ -266,9 +271,14 @@ class SwappedState:
                 "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
                 f"({len(self.optimizer.state)} parameter(s)); with swap_dir its state lives on "
                 "disk: load state through DistributedOptimizer.load_state_dict")
-        if agree is None:
-            def agree(message, what):
-                return [message] if message else []
+        agreement = agree or (lambda message, what: [message] if message else [])
+
+        def agree(message, what):
+            began = time.perf_counter()
+            try:
+                return agreement(message, what)
+            finally:
+                self.stats.agree += time.perf_counter() - began
         started = time.perf_counter()
         params = self._params()
         old = self.layout()
@@ -342,6 +352,8 @@ class SwappedState:
                 raise SwapError(errno.EIO, self._broken) from e.__cause__
             raise
         finally:
+            if runner is not None:
+                runner.release()
             if source is not None:
                 source.close()
         out.close()
@@ -352,6 +364,7 @@ class SwappedState:
         self.stats.hidden += max(busy - _overlap(intervals, waits), 0.0)
         self.stats.wait += waited
         self.stats.steps += 1
+        self.stats.total += time.perf_counter() - started
         log.debug("swapped step in %.3f s: %s", time.perf_counter() - started,
                   self.stats.as_dict())
 
@@ -614,6 +627,10 @@ class _Transfer:
             raise error
         return finished - self.submitted
 
+    def done(self):
+        """Whether every request has finished (never waits)."""
+        return all(future.done() for future in self.futures)
+
     def settle(self):
         """Wait for every request, ignoring errors (a failed step's cleanup)."""
         concurrent.futures.wait(self.futures)
@@ -631,35 +648,49 @@ class _StepRun:
         self.intervals, self.waits = intervals, waits
         self.applied = 0
         self.first_state = {}       # param -> its first piece's non-elementwise state
+        self.buffers = []           # taken by run(), given back by release()
+        self.held = {}              # chunk index -> the buffer still holding its undo copy
 
     def run(self, chunks):
         """Step every chunk. On an error, the parameters of the chunks already stepped get
-        their values from before the step back (:meth:`undo`) before it is raised."""
-        buffers = [self.pool.take() for _ in range(BUFFERS)]
-        idle = list(buffers)
-        reading, writing = None, []
-        held = {}                   # chunk index -> the buffer still holding its undo copy
+        their values from before the step back (:meth:`undo`) before it is raised.
+
+        Reads run as far ahead as the pool allows: every buffer that is neither being
+        stepped nor written holds a read of a chunk to come, and a buffer whose write has
+        finished takes the next read at once, so reads and writes stay in flight together
+        while the optimizer computes. The buffers stay taken until :meth:`release`: the
+        last chunks' undo copies are only in them until the ranks agree."""
+        for _ in range(BUFFERS):
+            self.buffers.append(self.pool.take())
+        idle = list(self.buffers)
+        reading, writing = {}, []   # chunk index -> (buffer, transfer); [(buffer, transfer)]
+        held = self.held
+        following = 0               # the next chunk to read
         try:
-            if chunks:
-                first = idle.pop()
-                reading = (chunks[0], first, self._read(chunks[0], first))
-            for i, _ in enumerate(chunks):
-                chunk, buffer, transfer = reading
-                reading = None
-                self.stats.read += self._wait(transfer)
-                self.stats.bytes_read += sum(n for _, _, n in self._reads(chunk))
-                if i + 1 < len(chunks):
-                    if not idle:
-                        # The oldest write's buffer is the next read's.
+            for i, chunk in enumerate(chunks):
+                while following < len(chunks):
+                    # Finished writes give their buffers back first, in order, without
+                    # waiting; only the read of the chunk about to step waits for one.
+                    while writing and (writing[0][1].done() or not idle and following == i):
                         done, written = writing.pop(0)
                         self.stats.write += self._wait(written)
-                        held = {k: b for k, b in held.items() if b is not done}
                         idle.append(done)
-                    following = idle.pop()
-                    reading = (chunks[i + 1], following, self._read(chunks[i + 1], following))
+                    if not idle:
+                        break
+                    buffer = idle.pop()
+                    # The read overwrites the undo copy a chunk stepped in this buffer held.
+                    for k in [k for k, b in held.items() if b is buffer]:
+                        del held[k]
+                    reading[following] = (buffer, self._read(chunks[following], buffer))
+                    following += 1
+                buffer, transfer = reading.pop(i)
+                self.stats.read += self._wait(transfer)
+                self.stats.bytes_read += sum(n for _, _, n in self._reads(chunk))
                 held[i] = buffer
                 self._step(chunk, buffer)
-                runs = self._writes(chunk)
+                # Every chunk is read already: no read will take this buffer, so its undo
+                # copy stays in memory until the step ends and need not go to disk.
+                runs = self._writes(chunk, undo=following < len(chunks))
                 self.stats.bytes_written += sum(n for _, _, n in runs)
                 writing.append((buffer, self.submit(self.out, buffer, runs, True,
                                                     self.intervals)))
@@ -668,54 +699,50 @@ class _StepRun:
                 self.stats.write += self._wait(written)
         except BaseException:
             # Every request finished before a buffer is read again or given back.
-            for transfer in [reading[2]] if reading else []:
-                transfer.settle()
-            for _, transfer in writing:
-                transfer.settle()
-            reading, writing = None, []
-            self.undo(chunks, held, buffers)
+            self._settle(reading, writing)
+            reading, writing = {}, []
+            self.undo(chunks)
             raise
         finally:
-            for transfer in [reading[2]] if reading else []:
-                transfer.settle()
-            for _, transfer in writing:
-                transfer.settle()
-            for buffer in buffers:
-                self.pool.give_back(buffer)
+            self._settle(reading, writing)
 
-    def undo(self, chunks, held=None, buffers=None):
+    def release(self):
+        """Give the buffers back to the pool (every request using them has finished)."""
+        for buffer in self.buffers:
+            self.pool.give_back(buffer)
+        self.buffers, self.held = [], {}
+
+    @staticmethod
+    def _settle(reading, writing):
+        for _, transfer in list(reading.values()) + writing:
+            transfer.settle()
+
+    def undo(self, chunks):
         """Give the parameters of the chunks stepped their values from before the step: from
-        the buffer that still holds a chunk's undo copy (``held``), else read back from the
-        new generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
+        the buffer that still holds a chunk's undo copy, else read back from the new
+        generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
         that read fails (the parameters are then half-stepped)."""
-        held = held or {}
-        own = buffers is None
-        if own:
-            buffers = [self.pool.take()]
-        try:
-            for i, buffer in held.items():
-                if i < self.applied:
-                    self._put_back(chunks[i], buffer)
-            # Put back from memory first: then every buffer is free to read into.
-            scratch = buffers[0]
-            for i in range(self.applied):
-                if i in held:
-                    continue
-                runs = segments(chunks[i], lambda piece, slot: None,
-                                undo=lambda piece: piece.undo.file_offset)
-                try:
-                    self.submit(self.out, scratch, runs, False, []).wait()
-                except BaseException as e:
-                    raise _UndoFailed(
-                        f"a swapped optimizer step failed, and the values of the parameters of "
-                        f"chunk {i + 1} of {len(chunks)} could not be read back ({e}): the "
-                        "state of the last good generation is kept, but parameters moved: "
-                        "restore a commit (State.restore()) or load a checkpoint before "
-                        "stepping again") from e
-                self._put_back(chunks[i], scratch)
-        finally:
-            if own:
-                self.pool.give_back(buffers[0])
+        held = self.held
+        for i, buffer in held.items():
+            if i < self.applied:
+                self._put_back(chunks[i], buffer)
+        # Put back from memory first: then every buffer is free to read into.
+        for i in range(self.applied):
+            if i in held:
+                continue
+            scratch = self.buffers[0]
+            runs = segments(chunks[i], lambda piece, slot: None,
+                            undo=lambda piece: piece.undo.file_offset)
+            try:
+                self.submit(self.out, scratch, runs, False, []).wait()
+            except BaseException as e:
+                raise _UndoFailed(
+                    f"a swapped optimizer step failed, and the values of the parameters of "
+                    f"chunk {i + 1} of {len(chunks)} could not be read back ({e}): the "
+                    "state of the last good generation is kept, but parameters moved: "
+                    "restore a commit (State.restore()) or load a checkpoint before "
+                    "stepping again") from e
+            self._put_back(chunks[i], scratch)
 
     @staticmethod
     def _put_back(chunk, buffer):
@@ -744,10 +771,10 @@ class _StepRun:
 
         return segments(chunk, where)
 
-    def _writes(self, chunk):
+    def _writes(self, chunk, undo):
         return segments(chunk, lambda piece, slot: slot.file_offset
                         if piece.first or slot.entry.elementwise else None,
-                        undo=lambda piece: piece.undo.file_offset)
+                        undo=(lambda piece: piece.undo.file_offset) if undo else None)
 
     def _read(self, chunk, buffer):
         return self.submit(self.source, buffer, self._reads(chunk), False, self.intervals)
@@ -760,6 +787,7 @@ class _StepRun:
         groups = optimizer.param_groups
         saved = [group["params"] for group in groups]
         flat_grads = {}
+        copying = time.perf_counter()
         for piece in chunk:
             p = piece.param
             # The undo copy: the values this step may move, put back if any chunk fails.
@@ -790,6 +818,7 @@ class _StepRun:
                             .copy_(view, non_blocking=True)
                     values[slot.entry.key] = view.to(device, non_blocking=True)
                 state[piece.tensor] = values
+        self.stats.copy += time.perf_counter() - copying
         try:
             for g, group in enumerate(groups):
                 group["params"] = [piece.tensor for piece in chunk if piece.group == g]
@@ -805,6 +834,13 @@ class _StepRun:
         self._evict(chunk, buffer, states)
 
     def _evict(self, chunk, buffer, states):
+        began = time.perf_counter()
+        try:
+            self._evict_checked(chunk, buffer, states)
+        finally:
+            self.stats.copy += time.perf_counter() - began
+
+    def _evict_checked(self, chunk, buffer, states):
         moves, cuda = [], False
         base = buffer.bytes.data_ptr()
         for piece in chunk:
