@@ -35,6 +35,7 @@ from .swap_layout import Layout, plan_pieces, probe_makeup, segments
 log = logging.getLogger(__name__)
 
 PREFIX = "hvd_adapt-swap-"
+SPARE = "spare.bin"         # a dropped generation's file, the next one's
 IO_BYTES = 8 << 20          # one pread/pwrite request: 8 MiB
 DEFAULT_BUFFER_MB = 16
 BUFFERS = 3                 # read-ahead, stepping, write-behind
@@ -103,6 +104,9 @@ class SwappedState:
         self._referenced = {}       # generation -> count of references (live, commits)
         self._incoming = None       # a sync's layout, adopted before its broadcast
         self._broken = None         # why the parameters are half-stepped (until a restore)
+        self._spare = False         # whether SPARE is in the folder
+        self._lent = set()          # generations whose mapped tensors were handed out
+        self._recycled = set()      # generations written over the spare
         self.stats = SwapStats()
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
@@ -166,9 +170,10 @@ class SwappedState:
             raise ValueError(f"swap_dir {directory} cannot be created: {e}") from e
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
             raise ValueError(f"swap_dir {directory} is not a writable folder")
-        # Live, committed and one being written (with its undo area, the parameters' bytes):
-        # up to three generations at once.
-        needed = sum(3 * self._whole_bytes(p) + p.numel() * p.element_size() for p in params)
+        # Live, committed and one being written: up to three generations at once, the live
+        # one and the one being written each with its undo area (the parameters' bytes).
+        needed = sum(3 * self._whole_bytes(p) + 2 * p.numel() * p.element_size()
+                     for p in params)
         usage = shutil.disk_usage(directory)
         free = usage.free
         # A total of 0: a file system with no size (ramfs); the step's reservation checks.
@@ -191,19 +196,41 @@ class SwappedState:
         return f"gen{generation}.bin"
 
     def _create(self, nbytes):
-        """A new generation's file, ``nbytes`` of space reserved: ``(generation, SwapFile)``."""
+        """A new generation's file, ``nbytes`` of space reserved: ``(generation, SwapFile)``.
+        It is the spare where there is one: writing over blocks written before is faster
+        than writing new ones, and no generation's blocks are freed at each step."""
         self._generation += 1
         generation = self._generation
         name = self._name(generation)
-        fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
+        fd, spare = None, self._spare
+        if self._spare:
+            self._spare = False
+            try:
+                os.rename(SPARE, name, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._root_fd)
+            except FileNotFoundError:
+                spare = False   # removed by hand: a new file, then
+        if fd is None:
+            fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
         out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
+        if spare:
+            self._recycled.add(generation)
         try:
             out.reserve(nbytes)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         return generation, out
+
+    def _discard(self, generation, out):
+        """A generation that failed: its file is the spare again if it was the spare, else
+        it goes (the folder is as it was before)."""
+        out.close()
+        if generation in self._recycled:
+            self._retire(generation)
+        else:
+            self._unlink(generation)
 
     def _open(self, generation):
         name = self._name(generation)
@@ -213,6 +240,23 @@ class SwappedState:
     def _unlink(self, generation):
         try:
             os.unlink(self._name(generation), dir_fd=self._root_fd)
+        except FileNotFoundError:
+            pass
+
+    def _retire(self, generation):
+        """``generation``'s file is no one's: it becomes the spare (the next generation's
+        file), or goes where there is a spare already or where tensors mapped from it were
+        handed out (a state dict): an unlinked file stays as it is while mapped, one written
+        over would change them."""
+        self._recycled.discard(generation)
+        if self._spare or generation in self._lent:
+            self._lent.discard(generation)
+            self._unlink(generation)
+            return
+        try:
+            os.rename(self._name(generation), SPARE, src_dir_fd=self._root_fd,
+                      dst_dir_fd=self._root_fd)
+            self._spare = True
         except FileNotFoundError:
             pass
 
@@ -227,7 +271,7 @@ class SwappedState:
         if self._referenced[generation] == 0:
             del self._referenced[generation]
             del self._layouts[generation]
-            self._unlink(generation)
+            self._retire(generation)
 
     def _set_live(self, generation, layout=None):
         if layout is not None:
@@ -306,15 +350,13 @@ class SwappedState:
             failures = agree(message, "reserved")
         except BaseException:
             # A collective that failed (a peer lost, an elastic reset): nothing moved, and
-            # the new file goes rather than waiting for the folder's removal.
+            # the new file is the spare again.
             if out is not None:
-                out.close()
-                self._unlink(generation)
+                self._discard(generation, out)
             raise
         if failures:
             if out is not None:
-                out.close()
-                self._unlink(generation)
+                self._discard(generation, out)
             raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
                             "state unchanged): " + "; ".join(failures))
         intervals, waits = [], []
@@ -339,13 +381,8 @@ class SwappedState:
                 runner.undo(chunks)
             if error is not None:
                 raise error
-            try:
-                out.truncate(layout.nbytes)     # the undo area's blocks go back to the disk
-            except SwapError as e:
-                log.warning("%s; the undo area stays until this generation is dropped", e)
         except BaseException as e:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             if isinstance(e, _UndoFailed):
                 self._broken = str(e)
                 log.error("%s", self._broken)
@@ -398,8 +435,19 @@ class SwappedState:
 
     # -- commits, restores, checkpoints, syncs ---------------------------------------------
     def commit(self):
-        """Keep the live generation (as the commit's); returns its number, to restore to."""
+        """Keep the live generation (as the commit's); returns its number, to restore to.
+        Its undo area is cut off its file: a commit may be kept for long."""
         self._hold(self.live)
+        if self.live is not None:
+            name = self._name(self.live)
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+            file = SwapFile(fd, os.path.join(self.root, name), direct=False)
+            try:
+                file.truncate(self._layouts[self.live].nbytes)
+            except SwapError as e:
+                log.warning("%s; its undo area stays until this generation is dropped", e)
+            finally:
+                file.close()
         return self.live
 
     def release(self, generation):
@@ -417,7 +465,9 @@ class SwappedState:
         layout = self.layout(generation)
         if layout is None:
             return {}
-        mapped = self._map(self.live if generation is None else generation)
+        generation = self.live if generation is None else generation
+        mapped = self._map(generation)
+        self._lent.add(generation)
         # A parameter stepped without state (SGD without momentum) has none in memory
         # either: torch's state_dict leaves it out.
         return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params
