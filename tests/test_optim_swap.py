@@ -763,3 +763,31 @@ def test_an_agreement_that_fails_leaves_no_file_and_moves_nothing(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     step()
     swapped.close()
+
+
+def test_the_spare_is_written_over_and_a_state_dict_handed_out_never_changes(tmp_path):
+    # A step writes over the file of the generation dropped before it (the spare) instead
+    # of removing it and allocating a new one. A state dict's tensors are mapped from
+    # their generation's file: that file is removed when dropped, never written over, so
+    # the values handed out stay those of their step while training goes on.
+    model, opt, loader, _, scaler = make("adamw", str(tmp_path), buffer_mb=0.05)
+    train(model, opt, loader, scaler, 2)
+    [folder] = swap_folders(str(tmp_path))
+    folder = tmp_path / folder
+
+    def files():
+        return {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+
+    before = files()
+    assert "spare.bin" in before and len(before) == 2, before
+    train(model, opt, loader, scaler, 1)
+    after = files()
+    assert len(after) == 2 and set(after.values()) == set(before.values()), (before, after)
+    handed = opt.state_dict()["state"]
+    kept = {i: {key: value.clone() for key, value in s.items() if torch.is_tensor(value)}
+            for i, s in handed.items()}
+    train(model, opt, loader, scaler, 3)
+    for i, values in kept.items():
+        for key, value in values.items():
+            assert torch.equal(handed[i][key], value), (i, key)
+    assert len(files()) == 2
