@@ -421,6 +421,28 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     assert_same(pairs)
 
 
+def test_a_step_that_writes_over_the_spare_needs_no_new_space(mount):
+    # No state dict is handed out between steps, so each step writes over the file of the
+    # generation dropped before it: a disk that fills between steps fails no step.
+    swap_dir = mount("tmpfs", "2m")
+    pairs = pair(mlp, str(swap_dir))
+    batches = torch.Generator().manual_seed(3)
+
+    def step(steps):
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=batches)
+            for model, opt in pairs:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+    step(2)
+    filler = fill(swap_dir)
+    step(2)
+    os.remove(filler)
+    assert_same(pairs)
+
+
 def deep():
     layers = []
     for _ in range(8):

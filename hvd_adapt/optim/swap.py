@@ -7,13 +7,15 @@ probe, see ``swap_layout``) lives in files, one per generation, in a folder of
 this optimizer's own (``<swap_dir>/hvd_adapt-swap-<random>``, created 0700,
 ``flock``-ed while it lives: a folder whose lock is free is a dead process's and
 is removed). A step walks chunks of parameters (or of pieces of a large one):
-chunk i+1 is read while chunk i steps (its state made of views into a pool
-buffer) and chunk i-1 is written behind, by a thread pool doing checked
-``os.preadv``/``os.pwritev`` (they release the GIL). Only the pool's three
-buffers are in memory, whatever the largest parameter.
+while chunk i steps (its state made of views into a pool buffer), the chunks
+after it are read ahead and the ones before it written behind in the pool's other
+buffers, by a thread pool doing checked ``os.preadv``/``os.pwritev`` (they
+release the GIL). Only the pool's four buffers are in memory, whatever the
+largest parameter.
 
-A step never overwrites a file: it reserves the next generation's file (a full
-disk fails here, before anything changes), writes all of it, and only then
+A step never writes over a generation anyone holds: it reserves the next
+generation's file (the spare, a dropped generation's file, where there is one; a
+full disk fails here, before anything changes), writes all of it, and only then
 makes it live. A generation carries its layout, so a commit is O(1) (it keeps
 the generation), a restore switches back to it, and a checkpoint maps its file.
 """
@@ -38,7 +40,7 @@ PREFIX = "hvd_adapt-swap-"
 SPARE = "spare.bin"         # a dropped generation's file, the next one's
 IO_BYTES = 8 << 20          # one pread/pwrite request: 8 MiB
 DEFAULT_BUFFER_MB = 16
-BUFFERS = 3                 # read-ahead, stepping, write-behind
+BUFFERS = 4                 # stepping, and reads ahead and writes behind in the others
 
 
 class SwapStats:
@@ -68,7 +70,7 @@ class SwapStats:
 class SwappedState:
     """The per-parameter state of ``optimizer``, kept in files under ``directory``.
 
-    ``buffer_mb`` sizes each of the pool's three buffers (None: 16 MiB, or the largest
+    ``buffer_mb`` sizes each of the pool's four buffers (None: 16 MiB, or the largest
     state of a parameter that must be stepped whole); a parameter's state larger than a
     buffer is stepped in pieces. ``o_direct`` (None: where the file system takes it)
     reads and writes around the page cache. ``workers`` threads do the I/O.
