@@ -786,6 +786,8 @@ class _StepRun:
             runs = segments(chunks[i], lambda piece, slot: None,
                             undo=lambda piece: piece.undo.file_offset)
             try:
+                for file_offset, _, nbytes in runs:
+                    self.out.check_written(file_offset, nbytes)
                 self.submit(self.out, scratch, runs, False, []).wait()
             except BaseException as e:
                 raise _UndoFailed(
