@@ -226,8 +226,8 @@ class SwappedState:
         return generation, out
 
     def _discard(self, generation, out):
-        """A generation that failed: its file is the spare again if it was the spare, else
-        it goes (the folder is as it was before)."""
+        """A generation never made live (a failed step or load, a scratch file): its file
+        is the spare again if it was the spare, else it goes (the folder is as before)."""
         out.close()
         if generation in self._recycled:
             self._retire(generation)
@@ -548,8 +548,7 @@ class SwappedState:
                                                                dtype=torch.uint8))
                 out.write(buffer.memory(0, size), start)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         finally:
             self._pool.give_back(buffer)
@@ -576,8 +575,7 @@ class SwappedState:
         try:
             self._stream(out, tasks(), write=True)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         out.close()
         self._set_live(generation, layout)
@@ -599,9 +597,10 @@ class SwappedState:
             self._stream(file, ((start, min(slot, layout.nbytes - start), None)
                                 for start in range(0, layout.nbytes, slot)), write)
         finally:
-            file.close()
             if generation is not None:
-                self._unlink(generation)
+                self._discard(generation, file)
+            else:
+                file.close()
         return layout.nbytes
 
     def _slot_bytes(self):
