@@ -423,15 +423,16 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
 
 def test_a_step_that_writes_over_the_spare_needs_no_new_space(mount):
     # No state dict is handed out between steps, so each step writes over the file of the
-    # generation dropped before it: a disk that fills between steps fails no step.
+    # generation dropped before it: a disk that fills between steps fails no step. A step
+    # that must grow the file (a param group added) fails cleanly and leaves the spare.
     swap_dir = mount("tmpfs", "2m")
     pairs = pair(mlp, str(swap_dir))
     batches = torch.Generator().manual_seed(3)
 
-    def step(steps):
+    def step(steps, which=pairs):
         for _ in range(steps):
             x = torch.randn(8, 16, generator=batches)
-            for model, opt in pairs:
+            for model, opt in which:
                 opt.zero_grad()
                 model(x).pow(2).mean().backward()
                 opt.step()
@@ -439,7 +440,19 @@ def test_a_step_that_writes_over_the_spare_needs_no_new_space(mount):
     step(2)
     filler = fill(swap_dir)
     step(2)
+    for model, opt in pairs:
+        extra = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(extra.weight, 0.5)
+        torch.nn.init.zeros_(extra.bias)
+        model.append(extra)
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+    [folder] = swap_folders(str(swap_dir))
+    files = sorted(os.listdir(swap_dir / folder))
+    with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No space"):
+        step(1, pairs[:1])
+    assert sorted(os.listdir(swap_dir / folder)) == files == ["gen4.bin", "spare.bin"]
     os.remove(filler)
+    step(2)
     assert_same(pairs)
 
 
