@@ -13,7 +13,9 @@ memory, in one invocation.
   (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
   memory, each in a process of its own: peak RSS (``VmHWM``) saved over the
   state's bytes, and the median optimizer step with ``--micro`` micro-steps against
-  the physical bound max(in-memory step, state / raw read + state / raw write).
+  the physical bound max(in-memory step, state / raw read + state / raw write),
+  with where each job's step goes (micro-steps and optimizer; for the swapped
+  one its reads and writes, waits, compute, copies and agreements, per step).
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
                                         [--jobs-gb 0.5,2] [--rounds 3] [--json out.json]
