@@ -833,3 +833,25 @@ def test_the_spare_is_written_over_and_a_state_dict_handed_out_never_changes(tmp
         for key, value in values.items():
             assert torch.equal(handed[i][key], value), (i, key)
     assert len(files()) == 2
+
+
+def test_a_commit_cuts_the_undo_area_and_only_warns_where_it_cannot(tmp_path, caplog):
+    # A commit may be kept for long: its generation's undo area (the parameters' bytes
+    # after the state) is cut off. Only disk space is at stake, so a file that cannot be
+    # cut is a warning, not a failed commit.
+    model, opt, loader, state, scaler = make("adamw", str(tmp_path), buffer_mb=0.05)
+    train(model, opt, loader, scaler, 2)
+    [folder] = swap_folders(str(tmp_path))
+    [live] = [tmp_path / folder / n for n in os.listdir(tmp_path / folder) if n != "spare.bin"]
+    size = os.path.getsize(live)
+    state.commit()
+    assert os.path.getsize(live) < size
+    train(model, opt, loader, scaler, 1)
+    [live] = [tmp_path / folder / n for n in os.listdir(tmp_path / folder)
+              if n != "spare.bin" and tmp_path / folder / n != live]
+    os.rename(live, str(live) + ".away")
+    with caplog.at_level("WARNING", logger="hvd_adapt"):
+        state.commit()
+    assert "its undo area stays" in caplog.text
+    os.rename(str(live) + ".away", live)
+    train(model, opt, loader, scaler, 1)

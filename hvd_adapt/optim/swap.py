@@ -441,15 +441,19 @@ class SwappedState:
         Its undo area is cut off its file: a commit may be kept for long."""
         self._hold(self.live)
         if self.live is not None:
+            # Only disk space is at stake: a file that cannot be cut is said, not raised
+            # (a file gone fails where it is read, with its name).
             name = self._name(self.live)
-            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
-            file = SwapFile(fd, os.path.join(self.root, name), direct=False)
             try:
-                file.truncate(self._layouts[self.live].nbytes)
-            except SwapError as e:
+                fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._root_fd)
+                file = SwapFile(fd, os.path.join(self.root, name), direct=False)
+                try:
+                    file.truncate(self._layouts[self.live].nbytes)
+                finally:
+                    file.close()
+            except OSError as e:
                 log.warning("%s; its undo area stays until this generation is dropped", e)
-            finally:
-                file.close()
         return self.live
 
     def release(self, generation):
