@@ -13,7 +13,9 @@ memory, in one invocation.
   (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
   memory, each in a process of its own: peak RSS (``VmHWM``) saved over the
   state's bytes, and the median optimizer step with ``--micro`` micro-steps against
-  the physical bound max(in-memory step, state / raw read + state / raw write).
+  the physical bound max(in-memory step, state / raw read + state / raw write),
+  with where each job's step goes (micro-steps and optimizer; for the swapped
+  one its reads and writes, waits, compute, copies and agreements, per step).
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
                                         [--jobs-gb 0.5,2] [--rounds 3] [--json out.json]
@@ -121,20 +123,31 @@ def worker(args):
         swap_buffer_mb=args.buffer_mb)
     state_bytes = sum(2 * p.numel() * p.element_size() for p in model.parameters())
     tokens = torch.Generator().manual_seed(1)
-    times = []
+    times, micro, stepping = [], [], []
     for step in range(args.steps + 1):
         started = time.perf_counter()
         opt.zero_grad()
         for _ in range(args.micro):
             x = torch.randint(vocab, (args.batch, 16), generator=tokens)
             model(x).pow(2).mean().backward()
+        stepped = time.perf_counter()
         opt.step()
         if step:                        # the first step creates the state
             times.append(time.perf_counter() - started)
+            micro.append(stepped - started)
+            stepping.append(time.perf_counter() - stepped)
+        if step == 0:
+            first = opt.swap_metrics()
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     with open(args.out, "w") as f:
+        swap = opt.swap_metrics()
+        # The timed steps' own (the first creates the state), per step.
+        timed = {key: (value - first[key]) / args.steps for key, value in swap.items()} \
+            if swap else {}
         json.dump({"step_s": statistics.median(times), "peak_bytes": peak,
+                   "micro_s": statistics.median(micro),
+                   "optimizer_s": statistics.median(stepping), "swap_per_step": timed,
                    "state_bytes": state_bytes,
                    "embedding_share": vocab * WIDTH / sum(p.numel() for p in model.parameters()),
                    "swap": opt.swap_metrics()}, f)
@@ -204,12 +217,19 @@ def main(argv=None):
                "hidden": stats["swap_hidden_s"] / stats["swap_io_s"] if stats["swap_io_s"] else 0,
                "memory_peak_bytes": memory["peak_bytes"], "swap_peak_bytes": swap["peak_bytes"],
                "saved_over_state": (memory["peak_bytes"] - swap["peak_bytes"]) / state}
+        row["phases"] = {"memory_micro_s": memory["micro_s"],
+                         "memory_optimizer_s": memory["optimizer_s"],
+                         "swap_micro_s": swap["micro_s"], "swap_optimizer_s": swap["optimizer_s"],
+                         **swap["swap_per_step"]}
         runs.append(row)
         print(f"{row['state_gb']:>8.2f} {row['embedding_share']:>5.2f} "
               f"{row['memory_step_s']:>9.2f} {row['swap_step_s']:>7.2f} {bound:>8.2f} "
               f"{row['swap_over_bound']:>10.2f} {row['hidden']:>7.2f} "
               f"{row['memory_peak_bytes'] / 1e9:>10.2f} {row['swap_peak_bytes'] / 1e9:>8.2f} "
               f"{row['saved_over_state']:>11.2f}", flush=True)
+        print("    per step, s: " + ", ".join(
+            f"{key.replace('swap_per_step', '')} {value:.3f}" for key, value in row["phases"].items()
+            if key.endswith("_s")), flush=True)
     results["runs"] = runs
     if args.json:
         import record

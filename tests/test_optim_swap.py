@@ -421,6 +421,41 @@ def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     assert_same(pairs)
 
 
+def test_a_step_that_writes_over_the_spare_needs_no_new_space(mount):
+    # No state dict is handed out between steps, so each step writes over the file of the
+    # generation dropped before it: a disk that fills between steps fails no step. A step
+    # that must grow the file (a param group added) fails cleanly and leaves the spare.
+    swap_dir = mount("tmpfs", "2m")
+    pairs = pair(mlp, str(swap_dir))
+    batches = torch.Generator().manual_seed(3)
+
+    def step(steps, which=pairs):
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=batches)
+            for model, opt in which:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+    step(2)
+    filler = fill(swap_dir)
+    step(2)
+    for model, opt in pairs:
+        extra = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(extra.weight, 0.5)
+        torch.nn.init.zeros_(extra.bias)
+        model.append(extra)
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+    [folder] = swap_folders(str(swap_dir))
+    files = sorted(os.listdir(swap_dir / folder))
+    with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No space"):
+        step(1, pairs[:1])
+    assert sorted(os.listdir(swap_dir / folder)) == files == ["gen4.bin", "spare.bin"]
+    os.remove(filler)
+    step(2)
+    assert_same(pairs)
+
+
 def deep():
     layers = []
     for _ in range(8):
@@ -504,9 +539,12 @@ def test_a_write_that_fails_part_way_is_undone_bitwise(mount):
     assert_same(pairs)
 
 
-def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(tmp_path):
+@pytest.mark.parametrize("grown", [False, True], ids=["cut", "cut-and-grown-again"])
+def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(grown, tmp_path):
     # A second fault: the optimizer fails at chunk 6 and the new generation's file (its
     # undo area) is gone, so chunks 0-3 cannot be put back: never silently half-stepped.
+    # Grown again: a write still in flight when the file was cut extends it again, and
+    # the undo area reads back as zeros unless its hole is seen.
     pairs = pair(deep, str(tmp_path), buffer_mb=36 / 1024)
     states = [State(model=model, optimizer=opt) for model, opt in pairs]
     step_both(pairs, 2)
@@ -516,8 +554,12 @@ def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(tmp_path)
 
     def lose_undo_and_fail():
         [folder] = swap_folders(str(tmp_path))
-        newest = max(os.listdir(tmp_path / folder), key=lambda n: int(n[3:-4]))
-        os.truncate(tmp_path / folder / newest, 0)
+        newest = tmp_path / folder / max(os.listdir(tmp_path / folder),
+                                         key=lambda n: int(n[3:-4]))
+        size = os.path.getsize(newest)
+        os.truncate(newest, 0)
+        if grown:
+            os.truncate(newest, size)
         _raise()
 
     opt.optimizer.calls = 0
@@ -763,3 +805,53 @@ def test_an_agreement_that_fails_leaves_no_file_and_moves_nothing(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     step()
     swapped.close()
+
+
+def test_the_spare_is_written_over_and_a_state_dict_handed_out_never_changes(tmp_path):
+    # A step writes over the file of the generation dropped before it (the spare) instead
+    # of removing it and allocating a new one. A state dict's tensors are mapped from
+    # their generation's file: that file is removed when dropped, never written over, so
+    # the values handed out stay those of their step while training goes on.
+    model, opt, loader, _, scaler = make("adamw", str(tmp_path), buffer_mb=0.05)
+    train(model, opt, loader, scaler, 2)
+    [folder] = swap_folders(str(tmp_path))
+    folder = tmp_path / folder
+
+    def files():
+        return {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+
+    before = files()
+    assert "spare.bin" in before and len(before) == 2, before
+    train(model, opt, loader, scaler, 1)
+    after = files()
+    assert len(after) == 2 and set(after.values()) == set(before.values()), (before, after)
+    handed = opt.state_dict()["state"]
+    kept = {i: {key: value.clone() for key, value in s.items() if torch.is_tensor(value)}
+            for i, s in handed.items()}
+    train(model, opt, loader, scaler, 3)
+    for i, values in kept.items():
+        for key, value in values.items():
+            assert torch.equal(handed[i][key], value), (i, key)
+    assert len(files()) == 2
+
+
+def test_a_commit_cuts_the_undo_area_and_only_warns_where_it_cannot(tmp_path, caplog):
+    # A commit may be kept for long: its generation's undo area (the parameters' bytes
+    # after the state) is cut off. Only disk space is at stake, so a file that cannot be
+    # cut is a warning, not a failed commit.
+    model, opt, loader, state, scaler = make("adamw", str(tmp_path), buffer_mb=0.05)
+    train(model, opt, loader, scaler, 2)
+    [folder] = swap_folders(str(tmp_path))
+    [live] = [tmp_path / folder / n for n in os.listdir(tmp_path / folder) if n != "spare.bin"]
+    size = os.path.getsize(live)
+    state.commit()
+    assert os.path.getsize(live) < size
+    train(model, opt, loader, scaler, 1)
+    [live] = [tmp_path / folder / n for n in os.listdir(tmp_path / folder)
+              if n != "spare.bin" and tmp_path / folder / n != live]
+    os.rename(live, str(live) + ".away")
+    with caplog.at_level("WARNING", logger="hvd_adapt"):
+        state.commit()
+    assert "its undo area stays" in caplog.text
+    os.rename(str(live) + ".away", live)
+    train(model, opt, loader, scaler, 1)

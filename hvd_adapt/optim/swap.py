@@ -7,13 +7,15 @@ probe, see ``swap_layout``) lives in files, one per generation, in a folder of
 this optimizer's own (``<swap_dir>/hvd_adapt-swap-<random>``, created 0700,
 ``flock``-ed while it lives: a folder whose lock is free is a dead process's and
 is removed). A step walks chunks of parameters (or of pieces of a large one):
-chunk i+1 is read while chunk i steps (its state made of views into a pool
-buffer) and chunk i-1 is written behind, by a thread pool doing checked
-``os.preadv``/``os.pwritev`` (they release the GIL). Only the pool's three
-buffers are in memory, whatever the largest parameter.
+while chunk i steps (its state made of views into a pool buffer), the chunks
+after it are read ahead and the ones before it written behind in the pool's other
+buffers, by a thread pool doing checked ``os.preadv``/``os.pwritev`` (they
+release the GIL). Only the pool's four buffers are in memory, whatever the
+largest parameter.
 
-A step never overwrites a file: it reserves the next generation's file (a full
-disk fails here, before anything changes), writes all of it, and only then
+A step never writes over a generation anyone holds: it reserves the next
+generation's file (the spare, a dropped generation's file, where there is one; a
+full disk fails here, before anything changes), writes all of it, and only then
 makes it live. A generation carries its layout, so a commit is O(1) (it keeps
 the generation), a restore switches back to it, and a checkpoint maps its file.
 """
@@ -35,25 +37,31 @@ from .swap_layout import Layout, plan_pieces, probe_makeup, segments
 log = logging.getLogger(__name__)
 
 PREFIX = "hvd_adapt-swap-"
+SPARE = "spare.bin"         # a dropped generation's file, the next one's
 IO_BYTES = 8 << 20          # one pread/pwrite request: 8 MiB
 DEFAULT_BUFFER_MB = 16
-BUFFERS = 3                 # read-ahead, stepping, write-behind
+BUFFERS = 4                 # stepping, and reads ahead and writes behind in the others
 
 
 class SwapStats:
     """Seconds and bytes over swapped steps. ``read``/``write``: each chunk's I/O from its
     submission to its last byte; ``io``: time any I/O was in flight; ``hidden``: the part
     of it that overlapped compute (the step was not waiting for it); ``wait``: time the
-    step waited for I/O; ``step``: time in the optimizer's own step."""
+    step waited for I/O; ``step``: time in the optimizer's own step; ``copy``: copying the
+    undo copy into a buffer and the new state into place; ``agree``: the agreements between
+    ranks; ``total``: the whole swapped steps."""
 
     def __init__(self):
         self.read = self.wait = self.write = self.step = self.io = self.hidden = 0.0
+        self.copy = self.agree = self.total = 0.0
         self.bytes_read = self.bytes_written = 0
         self.steps = 0
 
     def as_dict(self):
         return {"swap_read_s": self.read, "swap_wait_s": self.wait,
                 "swap_write_s": self.write, "swap_step_s": self.step,
+                "swap_copy_s": self.copy, "swap_agree_s": self.agree,
+                "swap_total_s": self.total,
                 "swap_io_s": self.io, "swap_hidden_s": self.hidden,
                 "swap_read_bytes": self.bytes_read, "swap_written_bytes": self.bytes_written,
                 "swap_steps": self.steps}
@@ -62,7 +70,7 @@ class SwapStats:
 class SwappedState:
     """The per-parameter state of ``optimizer``, kept in files under ``directory``.
 
-    ``buffer_mb`` sizes each of the pool's three buffers (None: 16 MiB, or the largest
+    ``buffer_mb`` sizes each of the pool's four buffers (None: 16 MiB, or the largest
     state of a parameter that must be stepped whole); a parameter's state larger than a
     buffer is stepped in pieces. ``o_direct`` (None: where the file system takes it)
     reads and writes around the page cache. ``workers`` threads do the I/O.
@@ -98,6 +106,9 @@ class SwappedState:
         self._referenced = {}       # generation -> count of references (live, commits)
         self._incoming = None       # a sync's layout, adopted before its broadcast
         self._broken = None         # why the parameters are half-stepped (until a restore)
+        self._spare = False         # whether SPARE is in the folder
+        self._lent = set()          # generations whose mapped tensors were handed out
+        self._recycled = set()      # generations written over the spare
         self.stats = SwapStats()
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
@@ -161,9 +172,10 @@ class SwappedState:
             raise ValueError(f"swap_dir {directory} cannot be created: {e}") from e
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
             raise ValueError(f"swap_dir {directory} is not a writable folder")
-        # Live, committed and one being written (with its undo area, the parameters' bytes):
-        # up to three generations at once.
-        needed = sum(3 * self._whole_bytes(p) + p.numel() * p.element_size() for p in params)
+        # Live, committed and one being written: up to three generations at once, the live
+        # one and the one being written each with its undo area (the parameters' bytes).
+        needed = sum(3 * self._whole_bytes(p) + 2 * p.numel() * p.element_size()
+                     for p in params)
         usage = shutil.disk_usage(directory)
         free = usage.free
         # A total of 0: a file system with no size (ramfs); the step's reservation checks.
@@ -186,19 +198,41 @@ class SwappedState:
         return f"gen{generation}.bin"
 
     def _create(self, nbytes):
-        """A new generation's file, ``nbytes`` of space reserved: ``(generation, SwapFile)``."""
+        """A new generation's file, ``nbytes`` of space reserved: ``(generation, SwapFile)``.
+        It is the spare where there is one: writing over blocks written before is faster
+        than writing new ones, and no generation's blocks are freed at each step."""
         self._generation += 1
         generation = self._generation
         name = self._name(generation)
-        fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
+        fd, spare = None, self._spare
+        if self._spare:
+            self._spare = False
+            try:
+                os.rename(SPARE, name, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._root_fd)
+            except FileNotFoundError:
+                spare = False   # removed by hand: a new file, then
+        if fd is None:
+            fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
         out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
+        if spare:
+            self._recycled.add(generation)
         try:
             out.reserve(nbytes)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         return generation, out
+
+    def _discard(self, generation, out):
+        """A generation never made live (a failed step or load, a scratch file): its file
+        is the spare again if it was the spare, else it goes (the folder is as before)."""
+        out.close()
+        if generation in self._recycled:
+            self._retire(generation)
+        else:
+            self._unlink(generation)
 
     def _open(self, generation):
         name = self._name(generation)
@@ -208,6 +242,23 @@ class SwappedState:
     def _unlink(self, generation):
         try:
             os.unlink(self._name(generation), dir_fd=self._root_fd)
+        except FileNotFoundError:
+            pass
+
+    def _retire(self, generation):
+        """``generation``'s file is no one's: it becomes the spare (the next generation's
+        file), or goes where there is a spare already or where tensors mapped from it were
+        handed out (a state dict): an unlinked file stays as it is while mapped, one written
+        over would change them."""
+        self._recycled.discard(generation)
+        if self._spare or generation in self._lent:
+            self._lent.discard(generation)
+            self._unlink(generation)
+            return
+        try:
+            os.rename(self._name(generation), SPARE, src_dir_fd=self._root_fd,
+                      dst_dir_fd=self._root_fd)
+            self._spare = True
         except FileNotFoundError:
             pass
 
@@ -222,7 +273,7 @@ class SwappedState:
         if self._referenced[generation] == 0:
             del self._referenced[generation]
             del self._layouts[generation]
-            self._unlink(generation)
+            self._retire(generation)
 
     def _set_live(self, generation, layout=None):
         if layout is not None:
@@ -266,9 +317,14 @@ class SwappedState:
                 "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
                 f"({len(self.optimizer.state)} parameter(s)); with swap_dir its state lives on "
                 "disk: load state through DistributedOptimizer.load_state_dict")
-        if agree is None:
-            def agree(message, what):
-                return [message] if message else []
+        agreement = agree or (lambda message, what: [message] if message else [])
+
+        def agree(message, what):
+            began = time.perf_counter()
+            try:
+                return agreement(message, what)
+            finally:
+                self.stats.agree += time.perf_counter() - began
         started = time.perf_counter()
         params = self._params()
         old = self.layout()
@@ -296,15 +352,13 @@ class SwappedState:
             failures = agree(message, "reserved")
         except BaseException:
             # A collective that failed (a peer lost, an elastic reset): nothing moved, and
-            # the new file goes rather than waiting for the folder's removal.
+            # the new file is the spare again.
             if out is not None:
-                out.close()
-                self._unlink(generation)
+                self._discard(generation, out)
             raise
         if failures:
             if out is not None:
-                out.close()
-                self._unlink(generation)
+                self._discard(generation, out)
             raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
                             "state unchanged): " + "; ".join(failures))
         intervals, waits = [], []
@@ -329,19 +383,16 @@ class SwappedState:
                 runner.undo(chunks)
             if error is not None:
                 raise error
-            try:
-                out.truncate(layout.nbytes)     # the undo area's blocks go back to the disk
-            except SwapError as e:
-                log.warning("%s; the undo area stays until this generation is dropped", e)
         except BaseException as e:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             if isinstance(e, _UndoFailed):
                 self._broken = str(e)
                 log.error("%s", self._broken)
                 raise SwapError(errno.EIO, self._broken) from e.__cause__
             raise
         finally:
+            if runner is not None:
+                runner.release()
             if source is not None:
                 source.close()
         out.close()
@@ -352,6 +403,7 @@ class SwappedState:
         self.stats.hidden += max(busy - _overlap(intervals, waits), 0.0)
         self.stats.wait += waited
         self.stats.steps += 1
+        self.stats.total += time.perf_counter() - started
         log.debug("swapped step in %.3f s: %s", time.perf_counter() - started,
                   self.stats.as_dict())
 
@@ -385,8 +437,23 @@ class SwappedState:
 
     # -- commits, restores, checkpoints, syncs ---------------------------------------------
     def commit(self):
-        """Keep the live generation (as the commit's); returns its number, to restore to."""
+        """Keep the live generation (as the commit's); returns its number, to restore to.
+        Its undo area is cut off its file: a commit may be kept for long."""
         self._hold(self.live)
+        if self.live is not None:
+            # Only disk space is at stake: a file that cannot be cut is said, not raised
+            # (a file gone fails where it is read, with its name).
+            name = self._name(self.live)
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._root_fd)
+                file = SwapFile(fd, os.path.join(self.root, name), direct=False)
+                try:
+                    file.truncate(self._layouts[self.live].nbytes)
+                finally:
+                    file.close()
+            except OSError as e:
+                log.warning("%s; its undo area stays until this generation is dropped", e)
         return self.live
 
     def release(self, generation):
@@ -404,7 +471,9 @@ class SwappedState:
         layout = self.layout(generation)
         if layout is None:
             return {}
-        mapped = self._map(self.live if generation is None else generation)
+        generation = self.live if generation is None else generation
+        mapped = self._map(generation)
+        self._lent.add(generation)
         # A parameter stepped without state (SGD without momentum) has none in memory
         # either: torch's state_dict leaves it out.
         return {entry.param: layout.tensors_of(entry.param, mapped) for entry in layout.params
@@ -483,8 +552,7 @@ class SwappedState:
                                                                dtype=torch.uint8))
                 out.write(buffer.memory(0, size), start)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         finally:
             self._pool.give_back(buffer)
@@ -511,8 +579,7 @@ class SwappedState:
         try:
             self._stream(out, tasks(), write=True)
         except BaseException:
-            out.close()
-            self._unlink(generation)
+            self._discard(generation, out)
             raise
         out.close()
         self._set_live(generation, layout)
@@ -534,9 +601,10 @@ class SwappedState:
             self._stream(file, ((start, min(slot, layout.nbytes - start), None)
                                 for start in range(0, layout.nbytes, slot)), write)
         finally:
-            file.close()
             if generation is not None:
-                self._unlink(generation)
+                self._discard(generation, file)
+            else:
+                file.close()
         return layout.nbytes
 
     def _slot_bytes(self):
@@ -614,6 +682,10 @@ class _Transfer:
             raise error
         return finished - self.submitted
 
+    def done(self):
+        """Whether every request has finished (never waits)."""
+        return all(future.done() for future in self.futures)
+
     def settle(self):
         """Wait for every request, ignoring errors (a failed step's cleanup)."""
         concurrent.futures.wait(self.futures)
@@ -631,35 +703,49 @@ class _StepRun:
         self.intervals, self.waits = intervals, waits
         self.applied = 0
         self.first_state = {}       # param -> its first piece's non-elementwise state
+        self.buffers = []           # taken by run(), given back by release()
+        self.held = {}              # chunk index -> the buffer still holding its undo copy
 
     def run(self, chunks):
         """Step every chunk. On an error, the parameters of the chunks already stepped get
-        their values from before the step back (:meth:`undo`) before it is raised."""
-        buffers = [self.pool.take() for _ in range(BUFFERS)]
-        idle = list(buffers)
-        reading, writing = None, []
-        held = {}                   # chunk index -> the buffer still holding its undo copy
+        their values from before the step back (:meth:`undo`) before it is raised.
+
+        Reads run as far ahead as the pool allows: every buffer that is neither being
+        stepped nor written holds a read of a chunk to come, and a buffer whose write has
+        finished takes the next read at once, so reads and writes stay in flight together
+        while the optimizer computes. The buffers stay taken until :meth:`release`: the
+        last chunks' undo copies are only in them until the ranks agree."""
+        for _ in range(BUFFERS):
+            self.buffers.append(self.pool.take())
+        idle = list(self.buffers)
+        reading, writing = {}, []   # chunk index -> (buffer, transfer); [(buffer, transfer)]
+        held = self.held
+        following = 0               # the next chunk to read
         try:
-            if chunks:
-                first = idle.pop()
-                reading = (chunks[0], first, self._read(chunks[0], first))
-            for i, _ in enumerate(chunks):
-                chunk, buffer, transfer = reading
-                reading = None
-                self.stats.read += self._wait(transfer)
-                self.stats.bytes_read += sum(n for _, _, n in self._reads(chunk))
-                if i + 1 < len(chunks):
-                    if not idle:
-                        # The oldest write's buffer is the next read's.
+            for i, chunk in enumerate(chunks):
+                while following < len(chunks):
+                    # Finished writes give their buffers back first, in order, without
+                    # waiting; only the read of the chunk about to step waits for one.
+                    while writing and (writing[0][1].done() or not idle and following == i):
                         done, written = writing.pop(0)
                         self.stats.write += self._wait(written)
-                        held = {k: b for k, b in held.items() if b is not done}
                         idle.append(done)
-                    following = idle.pop()
-                    reading = (chunks[i + 1], following, self._read(chunks[i + 1], following))
+                    if not idle:
+                        break
+                    buffer = idle.pop()
+                    # The read overwrites the undo copy a chunk stepped in this buffer held.
+                    for k in [k for k, b in held.items() if b is buffer]:
+                        del held[k]
+                    reading[following] = (buffer, self._read(chunks[following], buffer))
+                    following += 1
+                buffer, transfer = reading.pop(i)
+                self.stats.read += self._wait(transfer)
+                self.stats.bytes_read += sum(n for _, _, n in self._reads(chunk))
                 held[i] = buffer
                 self._step(chunk, buffer)
-                runs = self._writes(chunk)
+                # Every chunk is read already: no read will take this buffer, so its undo
+                # copy stays in memory until the step ends and need not go to disk.
+                runs = self._writes(chunk, undo=following < len(chunks))
                 self.stats.bytes_written += sum(n for _, _, n in runs)
                 writing.append((buffer, self.submit(self.out, buffer, runs, True,
                                                     self.intervals)))
@@ -668,54 +754,52 @@ class _StepRun:
                 self.stats.write += self._wait(written)
         except BaseException:
             # Every request finished before a buffer is read again or given back.
-            for transfer in [reading[2]] if reading else []:
-                transfer.settle()
-            for _, transfer in writing:
-                transfer.settle()
-            reading, writing = None, []
-            self.undo(chunks, held, buffers)
+            self._settle(reading, writing)
+            reading, writing = {}, []
+            self.undo(chunks)
             raise
         finally:
-            for transfer in [reading[2]] if reading else []:
-                transfer.settle()
-            for _, transfer in writing:
-                transfer.settle()
-            for buffer in buffers:
-                self.pool.give_back(buffer)
+            self._settle(reading, writing)
 
-    def undo(self, chunks, held=None, buffers=None):
+    def release(self):
+        """Give the buffers back to the pool (every request using them has finished)."""
+        for buffer in self.buffers:
+            self.pool.give_back(buffer)
+        self.buffers, self.held = [], {}
+
+    @staticmethod
+    def _settle(reading, writing):
+        for _, transfer in list(reading.values()) + writing:
+            transfer.settle()
+
+    def undo(self, chunks):
         """Give the parameters of the chunks stepped their values from before the step: from
-        the buffer that still holds a chunk's undo copy (``held``), else read back from the
-        new generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
+        the buffer that still holds a chunk's undo copy, else read back from the new
+        generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
         that read fails (the parameters are then half-stepped)."""
-        held = held or {}
-        own = buffers is None
-        if own:
-            buffers = [self.pool.take()]
-        try:
-            for i, buffer in held.items():
-                if i < self.applied:
-                    self._put_back(chunks[i], buffer)
-            # Put back from memory first: then every buffer is free to read into.
-            scratch = buffers[0]
-            for i in range(self.applied):
-                if i in held:
-                    continue
-                runs = segments(chunks[i], lambda piece, slot: None,
-                                undo=lambda piece: piece.undo.file_offset)
-                try:
-                    self.submit(self.out, scratch, runs, False, []).wait()
-                except BaseException as e:
-                    raise _UndoFailed(
-                        f"a swapped optimizer step failed, and the values of the parameters of "
-                        f"chunk {i + 1} of {len(chunks)} could not be read back ({e}): the "
-                        "state of the last good generation is kept, but parameters moved: "
-                        "restore a commit (State.restore()) or load a checkpoint before "
-                        "stepping again") from e
-                self._put_back(chunks[i], scratch)
-        finally:
-            if own:
-                self.pool.give_back(buffers[0])
+        held = self.held
+        for i, buffer in held.items():
+            if i < self.applied:
+                self._put_back(chunks[i], buffer)
+        # Put back from memory first: then every buffer is free to read into.
+        for i in range(self.applied):
+            if i in held:
+                continue
+            scratch = self.buffers[0]
+            runs = segments(chunks[i], lambda piece, slot: None,
+                            undo=lambda piece: piece.undo.file_offset)
+            try:
+                for file_offset, _, nbytes in runs:
+                    self.out.check_written(file_offset, nbytes)
+                self.submit(self.out, scratch, runs, False, []).wait()
+            except BaseException as e:
+                raise _UndoFailed(
+                    f"a swapped optimizer step failed, and the values of the parameters of "
+                    f"chunk {i + 1} of {len(chunks)} could not be read back ({e}): the "
+                    "state of the last good generation is kept, but parameters moved: "
+                    "restore a commit (State.restore()) or load a checkpoint before "
+                    "stepping again") from e
+            self._put_back(chunks[i], scratch)
 
     @staticmethod
     def _put_back(chunk, buffer):
@@ -744,10 +828,10 @@ class _StepRun:
 
         return segments(chunk, where)
 
-    def _writes(self, chunk):
+    def _writes(self, chunk, undo):
         return segments(chunk, lambda piece, slot: slot.file_offset
                         if piece.first or slot.entry.elementwise else None,
-                        undo=lambda piece: piece.undo.file_offset)
+                        undo=(lambda piece: piece.undo.file_offset) if undo else None)
 
     def _read(self, chunk, buffer):
         return self.submit(self.source, buffer, self._reads(chunk), False, self.intervals)
@@ -760,6 +844,7 @@ class _StepRun:
         groups = optimizer.param_groups
         saved = [group["params"] for group in groups]
         flat_grads = {}
+        copying = time.perf_counter()
         for piece in chunk:
             p = piece.param
             # The undo copy: the values this step may move, put back if any chunk fails.
@@ -790,6 +875,7 @@ class _StepRun:
                             .copy_(view, non_blocking=True)
                     values[slot.entry.key] = view.to(device, non_blocking=True)
                 state[piece.tensor] = values
+        self.stats.copy += time.perf_counter() - copying
         try:
             for g, group in enumerate(groups):
                 group["params"] = [piece.tensor for piece in chunk if piece.group == g]
@@ -805,6 +891,13 @@ class _StepRun:
         self._evict(chunk, buffer, states)
 
     def _evict(self, chunk, buffer, states):
+        began = time.perf_counter()
+        try:
+            self._evict_checked(chunk, buffer, states)
+        finally:
+            self.stats.copy += time.perf_counter() - began
+
+    def _evict_checked(self, chunk, buffer, states):
         moves, cuda = [], False
         base = buffer.bytes.data_ptr()
         for piece in chunk:

@@ -153,6 +153,20 @@ class SwapFile:
             done += moved
         return started, time.perf_counter()
 
+    def check_written(self, offset, nbytes):
+        """Raise :class:`SwapError` (EIO) where ``nbytes`` at ``offset``, bytes this process
+        wrote, are now past the file's end or a hole (the file was cut, then a write still
+        in flight extended it again): such bytes would read back as zeros. A file system
+        that does not track holes reports none."""
+        try:
+            hole = os.lseek(self.fd, offset, os.SEEK_HOLE)
+        except OSError as e:
+            hole = offset if e.errno == errno.ENXIO else offset + nbytes  # ENXIO: past the end
+        if hole < offset + nbytes:
+            raise SwapError(errno.EIO, f"cannot read {nbytes} bytes at offset {offset} of "
+                            f"{self.name}: they were written and are gone (a hole at {hole}) "
+                            f"(errno EIO)")
+
     def close(self):
         os.close(self.fd)
 

@@ -40,7 +40,11 @@ def step():
     opt.step()
 
 
+# A state dict handed out after each step: its generation's file is then removed when
+# dropped, never kept as the spare (which would hold the next step's space), so the
+# reservation of the step after the fill needs new space.
 step()
+digest()
 step()
 before = digest()
 filler = os.path.join(swap_dir, "filler")
