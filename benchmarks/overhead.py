@@ -164,7 +164,8 @@ def worker(args):
     for r in range(args.rounds):
         medians = {}
         for name in (list(ends) if r % 2 == 0 else list(ends)[::-1]):
-            # The block's first step follows the other loop's: left out.
+            # A block's first two steps are left out: the first has no start stamp (it
+            # follows the other loop's), the second pays for switching models in cache.
             stamps = [next(ends[name]) for _ in range(per_round + 2)][1:]
             times = np.diff(stamps).tolist()
             results[name] += times
@@ -311,6 +312,10 @@ def main(argv=None):
         run.steps = args.steps or steps
         run.warmup = args.warmup if args.warmup is not None else max(run.steps // 10, 4)
         run.rounds = args.rounds or rounds
+        if run.steps < 2 * run.rounds:
+            # A round's ratio needs at least two timed steps of each loop.
+            parser.error(f"--steps {run.steps} must be at least 2 x --rounds ({run.rounds}) "
+                         f"for {name}")
         for np_ in [int(p) for p in args.procs.split(",")]:
             r = launch(np_, run)
             mem = {loop: launch(np_, run, memory_of=loop)["peak_bytes"] / 2 ** 20

@@ -37,6 +37,16 @@ def test_overhead():
     assert all(float(low) <= float(ratio) <= float(high) for *_, ratio, low, high in rows), out
 
 
+def test_overhead_refuses_rounds_that_would_time_no_step():
+    # With fewer steps than rounds each block timed nothing: a row of nan and
+    # "overhead_ratio=0.000", exit 0 (found by an attacker).
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
+                           "--model", "mlp-small", "--steps", "4", "--rounds", "8"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "nan" not in proc.stdout, proc.stdout + proc.stderr
+    assert "--steps 4 must be at least 2 x --rounds (8)" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("workload,batches,targets", [
     ("digits", "32,64", "0.2,0.3,0.4"), ("shapes", "32,64", "0.13,0.15,0.2"),
     ("markov_text", "16,32", "3.9,3.8,3.7")])

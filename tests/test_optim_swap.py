@@ -855,3 +855,30 @@ def test_a_commit_cuts_the_undo_area_and_only_warns_where_it_cannot(tmp_path, ca
     assert "its undo area stays" in caplog.text
     os.rename(str(live) + ".away", live)
     train(model, opt, loader, scaler, 1)
+
+
+def test_a_load_state_dict_that_fails_on_a_full_disk_changes_nothing(mount):
+    # A load_state_dict that raises (the disk is full) leaves the optimizer as it was: the
+    # param groups (learning rate, betas) are taken from the state dict before its state is
+    # written, and without the fix stayed when the write failed: the job went on with the
+    # hyper-parameters of one point and the state of another (found by an attacker).
+    swap_dir = mount("tmpfs", "2m")
+    pairs = pair(mlp, str(swap_dir))
+    step_both(pairs, 2)
+    (model, opt), _ = pairs
+    handed = opt.state_dict()           # handed out: its file is removed when dropped
+    handed["param_groups"][0]["lr"] = 0.5
+    step_both(pairs, 1)                 # no spare now: a load must allocate a new file
+    groups = [dict(g, params=None) for g in opt.param_groups]
+    params = [p.detach().clone() for p in model.parameters()]
+    filler = fill(swap_dir)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            opt.load_state_dict(handed)
+    finally:
+        os.remove(filler)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert [dict(g, params=None) for g in opt.param_groups] == groups, \
+        "a failed load_state_dict changed the param groups"
+    step_both(pairs, 2)
+    assert_same(pairs)

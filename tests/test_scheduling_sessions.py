@@ -142,3 +142,26 @@ def test_a_later_job_with_the_same_arguments_starts_at_its_first_offer(tmp_path)
             for _ in range(2)]
     assert jobs == [["h1:1", "h1:1 h2:1 h3:1"]] * 2, jobs
     assert len(os.listdir(tmp_path / "hvd_adapt" / "discover")) == 2
+
+
+def test_a_driver_that_is_pid_1_keeps_its_jobs_apart(tmp_path):
+    # A launcher container whose command is horovodrun (exec form: it is PID 1 there) and
+    # that is restarted (docker's restart policy keeps the container's /tmp): the middleman
+    # that runs the discovery is the driver's child with parent pid 1. Without the fix
+    # find_driver() took it for an orphan: every such job shared one state file, and no
+    # lost host's sessions were ended (found by an attacker). The driver runs as PID 1 of
+    # a PID namespace here.
+    namespace = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if subprocess.run(namespace + ["true"], capture_output=True).returncode != 0:
+        pytest.skip("no PID namespaces here (needs root)")
+    (tmp_path / "hosts").write_text("h1:1\nh2:1\nh3:1\n")
+    discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --hostfile "
+                 f"{tmp_path}/hosts --ssh-port 0 --min-np 1 --initial-np 1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), XDG_RUNTIME_DIR=str(tmp_path))
+    os.chmod(tmp_path, 0o700)
+    jobs = [subprocess.run(namespace + [sys.executable, "-c", POLLS, discovery],
+                           capture_output=True, text=True, timeout=120, env=env)
+            for _ in range(2)]
+    assert all(job.returncode == 0 for job in jobs), [job.stderr[-2000:] for job in jobs]
+    answers = [job.stdout.splitlines() for job in jobs]
+    assert answers == [["h1:1", "h1:1 h2:1 h3:1"]] * 2, answers

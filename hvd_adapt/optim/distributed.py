@@ -523,12 +523,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             # The groups into the optimizer; the state onto disk, a chunk at a time
             # (or, restoring a commit, back to the generation it kept).
             states = state_dict.get("state", {})
+            before = self.optimizer.param_groups, self.optimizer.state
             self.optimizer.load_state_dict(dict(state_dict, state={}))
             generation = (extra or {}).get("swap_generation")
-            if generation is not None:
-                self._swap.restore(generation)
-            else:
-                self._swap.load(self._by_param(states))
+            try:
+                if generation is not None:
+                    self._swap.restore(generation)
+                else:
+                    self._swap.load(self._by_param(states))
+            except BaseException:
+                # Nothing changes on a failed load (a full disk): the hyper-parameters stay
+                # those of the state still on disk.
+                self.optimizer.param_groups, self.optimizer.state = before
+                raise
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()

@@ -75,9 +75,22 @@ def find_driver(pid=None):
     if leader == pid or SPAWN_MARK not in _argv(leader):
         return None
     stat = _stat(leader)
-    if stat is None or stat[0] <= 1:
+    if stat is None or stat[0] < 1:
+        return None
+    # The driver spawned the middleman with its own interpreter, so both run one program.
+    # A middleman whose driver is gone was handed to init (or a subreaper), which runs
+    # another; a driver that is PID 1 (a launcher container's command) is still found.
+    program = _program(leader)
+    if program is None or _program(stat[0]) != program:
         return None
     return stat[0]
+
+
+def _program(pid):
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
 
 
 def driver_key():
