@@ -192,15 +192,20 @@ def mlp():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def test_a_param_group_added_later_is_stepped_and_kept(tmp_path):
-    pairs = pair(mlp, str(tmp_path))
-    step_both(pairs, 2)
+def add_layer(pairs):
+    """A Linear(4, 4) appended to each model, its parameters a new group of its optimizer."""
     for model, opt in pairs:
         extra = torch.nn.Linear(4, 4)
         torch.nn.init.constant_(extra.weight, 0.5)
         torch.nn.init.zeros_(extra.bias)
         model.append(extra)
         opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+
+
+def test_a_param_group_added_later_is_stepped_and_kept(tmp_path):
+    pairs = pair(mlp, str(tmp_path))
+    step_both(pairs, 2)
+    add_layer(pairs)
     before = pairs[0][0][3].weight.detach().clone()
     step_both(pairs, 3)
     assert not torch.equal(before, pairs[0][0][3].weight), "the added layer moved"
@@ -440,12 +445,7 @@ def test_a_step_that_writes_over_the_spare_needs_no_new_space(mount):
     step(2)
     filler = fill(swap_dir)
     step(2)
-    for model, opt in pairs:
-        extra = torch.nn.Linear(4, 4)
-        torch.nn.init.constant_(extra.weight, 0.5)
-        torch.nn.init.zeros_(extra.bias)
-        model.append(extra)
-        opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
+    add_layer(pairs)
     [folder] = swap_folders(str(swap_dir))
     files = sorted(os.listdir(swap_dir / folder))
     with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for .*gen\d+\.bin: No space"):
