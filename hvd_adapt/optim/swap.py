@@ -888,16 +888,11 @@ class _StepRun:
             for group, params in zip(groups, saved):
                 group["params"] = params
             states = {id(piece): state.pop(piece.tensor, None) for piece in chunk}
+        evicting = time.perf_counter()
         self._evict(chunk, buffer, states)
+        self.stats.copy += time.perf_counter() - evicting
 
     def _evict(self, chunk, buffer, states):
-        began = time.perf_counter()
-        try:
-            self._evict_checked(chunk, buffer, states)
-        finally:
-            self.stats.copy += time.perf_counter() - began
-
-    def _evict_checked(self, chunk, buffer, states):
         moves, cuda = [], False
         base = buffer.bytes.data_ptr()
         for piece in chunk:
