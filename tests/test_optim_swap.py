@@ -4,6 +4,7 @@ clear errors about where it goes."""
 import os
 import stat
 import tempfile
+import time
 
 import pytest
 import torch
@@ -168,7 +169,9 @@ def step_both(pairs, steps=1, batch=None):
     for _ in range(steps):
         x = torch.randn(8, 16, generator=batch) if batch is not None else None
         for model, opt in pairs:
-            gen = torch.Generator().manual_seed(len(opt.state_dict()["param_groups"]) + 7)
+            # Not state_dict(): handing out the state's tensors keeps its file from being
+            # the next generation's spare.
+            gen = torch.Generator().manual_seed(len(opt.param_groups) + 7)
             inp = x if x is not None else torch.randn(8, model[0].in_features, generator=gen)
             opt.zero_grad()
             model(inp).pow(2).mean().backward()
@@ -408,7 +411,7 @@ def fill(folder):
 def test_a_full_disk_fails_the_step_cleanly_and_training_goes_on(mount):
     swap_dir = mount("tmpfs", "2m")
     pairs = pair(mlp, str(swap_dir))
-    step_both(pairs, 2)
+    step_both(pairs, 1)     # one generation, no spare yet: the next step needs new space
     (model, opt), reference = pairs
     params = [p.detach().clone() for p in model.parameters()]
     state = state_tensors(opt)
@@ -573,6 +576,80 @@ def test_a_failed_step_whose_undo_area_is_lost_says_so_until_a_restore(grown, tm
         opt.step()
     for state in states:
         state.restore()
+    step_both(pairs, 2)
+    assert_same(pairs)
+
+
+def written_ahead(opt, since, nbytes):
+    """Wait until ``nbytes`` of undo copies were written ahead since the metrics ``since``: a
+    thread writes them from the first backward on, while the micro-steps would run."""
+    deadline = time.monotonic() + 120
+    while opt.swap_metrics()["swap_undo_ahead_bytes"] - since["swap_undo_ahead_bytes"] < nbytes:
+        assert time.monotonic() < deadline, "the undo copies were never written ahead"
+        time.sleep(0.01)
+
+
+UNDO_BYTES = 16 * 4096      # deep(): 16 parameters, each a block or four of undo copy
+
+
+def test_undo_copies_written_ahead_put_a_failed_step_back_bitwise(tmp_path):
+    # The step after the first two finds its undo copies on disk (written while the
+    # micro-steps ran) and writes only the state; failing at chunk 6, it puts chunks
+    # 0-3 back from those copies.
+    pairs = pair(deep, str(tmp_path), buffer_mb=36 / 1024)
+    step_both(pairs, 2)
+    (model, opt), _ = pairs
+    params = [p.detach().clone() for p in model.parameters()]
+    state = state_tensors(opt)
+    since = opt.swap_metrics()
+    opt.zero_grad()
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    written_ahead(opt, since, UNDO_BYTES)
+    opt.optimizer.calls = 0
+    opt.optimizer.after = {6: _raise}
+    with pytest.raises(RuntimeError, match="the inner optimizer failed"):
+        opt.step()
+    used = opt.swap_metrics()["swap_undo_ahead_used_bytes"] - since["swap_undo_ahead_used_bytes"]
+    assert used >= 6 * 2 * 4096, "chunks 0-5 were written without their undo copies"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "all undone"
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(state_tensors(opt), state))
+    step_both(pairs, 3)
+    assert_same(pairs)
+    assert opt.swap_metrics()["swap_undo_ahead_used_bytes"] > used + since[
+        "swap_undo_ahead_used_bytes"], "training goes on writing undo copies ahead"
+
+
+def halve_first_layer(model, how):
+    if how == "no_grad":
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+    elif how == "load_state_dict":
+        model.load_state_dict({key: value * 0.5 if key == "0.weight" else value
+                               for key, value in model.state_dict().items()})
+    else:
+        model[0].weight.data = model[0].weight.data * 0.5     # new memory
+
+
+@pytest.mark.parametrize("how", ["no_grad", "load_state_dict", "data_replaced"])
+def test_a_parameter_changed_after_its_undo_copy_was_written_ahead_is_put_back_changed(
+        how, tmp_path):
+    # Chunk 0's undo copy went to disk before the weight was changed: the step must see
+    # that and take a new one, or a failed step would put back the values from before.
+    pairs = pair(deep, str(tmp_path), buffer_mb=36 / 1024)
+    step_both(pairs, 2)
+    (model, opt), (reference, _) = pairs
+    since = opt.swap_metrics()
+    opt.zero_grad()
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    written_ahead(opt, since, UNDO_BYTES)
+    halve_first_layer(model, how)
+    halve_first_layer(reference, how)
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.optimizer.calls = 0
+    opt.optimizer.after = {6: _raise}
+    with pytest.raises(RuntimeError, match="the inner optimizer failed"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "put back changed"
     step_both(pairs, 2)
     assert_same(pairs)
 

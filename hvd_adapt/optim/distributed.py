@@ -269,6 +269,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return bool(self.measure_noise)
 
     def _plan_cycle(self):
+        if self._swap is not None:
+            # A backward has begun: the parameters stay as they are until step(), so the
+            # step's undo copies go to disk meanwhile.
+            self._swap.write_undo_ahead()
         controller = self._controller
         last = controller is None or controller.is_optim_step()
         replicas = env.size()

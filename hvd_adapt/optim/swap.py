@@ -31,14 +31,14 @@ import torch
 
 from .._runtime.private_files import create_exclusive, new_locked_folder, \
     remove_unlocked_folders
-from .swap_io import BLOCK, BufferPool, SwapError, SwapFile, aligned
-from .swap_layout import Layout, plan_pieces, probe_makeup, segments
+from .swap_io import IO_BYTES, BufferPool, SwapError, SwapFile, aligned, submit
+from .swap_layout import Layout, plan_pieces, plan_signature, probe_makeup, segments
+from .swap_undo import UndoAhead, UndoAheadSlot
 
 log = logging.getLogger(__name__)
 
 PREFIX = "hvd_adapt-swap-"
 SPARE = "spare.bin"         # a dropped generation's file, the next one's
-IO_BYTES = 8 << 20          # one pread/pwrite request: 8 MiB
 DEFAULT_BUFFER_MB = 16
 BUFFERS = 4                 # stepping, and reads ahead and writes behind in the others
 
@@ -49,12 +49,14 @@ class SwapStats:
     of it that overlapped compute (the step was not waiting for it); ``wait``: time the
     step waited for I/O; ``step``: time in the optimizer's own step; ``copy``: copying the
     undo copy into a buffer and the new state into place; ``agree``: the agreements between
-    ranks; ``total``: the whole swapped steps."""
+    ranks; ``total``: the whole swapped steps. ``bytes_written`` are the steps' own writes;
+    ``ahead_written`` the undo copies written ahead, while the micro-steps ran (see
+    ``swap_undo``), and ``ahead_used`` those a step found valid and did not write again."""
 
     def __init__(self):
         self.read = self.wait = self.write = self.step = self.io = self.hidden = 0.0
         self.copy = self.agree = self.total = 0.0
-        self.bytes_read = self.bytes_written = 0
+        self.bytes_read = self.bytes_written = self.ahead_written = self.ahead_used = 0
         self.steps = 0
 
     def as_dict(self):
@@ -64,6 +66,8 @@ class SwapStats:
                 "swap_total_s": self.total,
                 "swap_io_s": self.io, "swap_hidden_s": self.hidden,
                 "swap_read_bytes": self.bytes_read, "swap_written_bytes": self.bytes_written,
+                "swap_undo_ahead_bytes": self.ahead_written,
+                "swap_undo_ahead_used_bytes": self.ahead_used,
                 "swap_steps": self.steps}
 
 
@@ -109,11 +113,13 @@ class SwappedState:
         self._spare = False         # whether SPARE is in the folder
         self._lent = set()          # generations whose mapped tensors were handed out
         self._recycled = set()      # generations written over the spare
+        self._next_plan = None      # (chunks, signature): the last step's, the next one's too
+        self._ahead = UndoAheadSlot()   # the next step's undo copies being written
         self.stats = SwapStats()
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
-        self._finalizer = weakref.finalize(self, _close, self._pool, self._io, self.root,
-                                           self._root_fd, directory, os.getpid())
+        self._finalizer = weakref.finalize(self, _close, self._ahead, self._pool, self._io,
+                                           self.root, self._root_fd, directory, os.getpid())
         state_bytes = sum(self._whole_bytes(p) for p in params)
         log.info("optimizer state on disk in %s: about %.2f GB, %d buffers of %.1f MiB%s",
                  self.root, state_bytes / 1e9, BUFFERS, self.buffer_bytes / 2 ** 20,
@@ -282,6 +288,7 @@ class SwappedState:
         self._drop(self.live)
         self.live = generation
         self._broken = None
+        self._next_plan = None
 
     def layout(self, generation=None):
         """The :class:`Layout` of ``generation`` (default: live); None without state."""
@@ -290,16 +297,7 @@ class SwappedState:
 
     # -- I/O -------------------------------------------------------------------------------
     def _submit(self, file, buffer, runs, write, intervals):
-        """Start moving ``runs`` (``[(file offset, buffer offset, bytes)]``) between ``file``
-        and ``buffer`` on the thread pool, in requests of at most IO_BYTES: the futures."""
-        futures = []
-        for file_offset, buffer_offset, nbytes in runs:
-            for start in range(0, nbytes, IO_BYTES):
-                size = min(IO_BYTES, nbytes - start)
-                call = file.write if write else file.read
-                futures.append(self._io.submit(call, buffer.memory(buffer_offset + start, size),
-                                               file_offset + start))
-        return _Transfer(futures, intervals)
+        return submit(self._io, file, buffer, runs, write, intervals)
 
     # -- stepping ------------------------------------------------------------------------
     def step(self, agree=None):
@@ -310,6 +308,7 @@ class SwappedState:
         the live generation is the one before. ``agree(message or None, what)`` (a
         collective: every rank's message) makes one rank's failure every rank's, at the
         reservation (before anything moves) and at the end (before the new state is live)."""
+        ahead = self._ahead.take()
         if self._broken is not None:
             raise SwapError(errno.EIO, self._broken)
         if self.optimizer.state:
@@ -363,12 +362,14 @@ class SwappedState:
                             "state unchanged): " + "; ".join(failures))
         intervals, waits = [], []
         source = runner = None
+        signature = plan_signature(chunks, end)
+        written = ahead.usable(chunks, signature, out) if ahead is not None else set()
         try:
             error = None
             try:
                 source = self._open(self.live) if old is not None else None
                 runner = _StepRun(self.optimizer, self._pool, self._submit, self.stats, layout,
-                                  old, source, out, intervals, waits)
+                                  old, source, out, intervals, waits, written)
                 runner.run(chunks)
             except Exception as e:      # put back already (or _UndoFailed): agreed on below
                 error = e
@@ -397,6 +398,11 @@ class SwappedState:
                 source.close()
         out.close()
         self._set_live(generation, layout)
+        for chunk in chunks:
+            for piece in chunk:
+                piece.tensor = None     # the step's views (and gradients) are not kept
+        self._next_plan = chunks, signature
+        self._cuda_params = any(p.is_cuda for p in params)
         busy = _length(intervals)
         waited = _length(waits)
         self.stats.io += busy
@@ -406,6 +412,32 @@ class SwappedState:
         self.stats.total += time.perf_counter() - started
         log.debug("swapped step in %.3f s: %s", time.perf_counter() - started,
                   self.stats.as_dict())
+
+    def write_undo_ahead(self):
+        """The micro-steps of a step have begun (its first backward): write that step's undo
+        copies into the spare meanwhile, on a thread (``swap_undo``). Once per step, and only
+        where its plan is known (the last step's) and there is a spare."""
+        if self._ahead.started or self._next_plan is None or not self._spare \
+                or self._broken is not None:
+            return
+        chunks, signature = self._next_plan
+        self._next_plan = None
+        try:
+            fd = os.open(SPARE, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self._root_fd)
+        except OSError as e:    # removed by hand: the step writes its undo copies itself
+            log.debug("no undo copies written ahead: %s", e)
+            return
+        file = SwapFile(fd, os.path.join(self.root, SPARE), self._o_direct)
+        ready = None
+        device = next((piece.param.device for chunk in chunks for piece in chunk
+                       if piece.param.is_cuda), None)
+        if device is not None:
+            # The last step's updates on this stream come before the copies.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        self._ahead.start(UndoAhead(chunks, signature, file, self._pool, self._io, self.stats,
+                                    ready))
 
     def read(self, params, keys):
         """The live state of ``params`` (only ``keys`` of it), read now: {param: {key: tensor}}.
@@ -527,6 +559,7 @@ class SwappedState:
     def broadcast_chunks(self, root, broadcast_bytes):
         """Collective: every rank's live state becomes ``root``'s, a buffer at a time
         (``broadcast_bytes(data, name)`` sends bytes from the root)."""
+        self._ahead.take()
         layout = self.layout() if root else self._incoming
         self._incoming = None
         if layout is None:
@@ -565,6 +598,7 @@ class SwappedState:
         """A new live generation of ``layout``, each entry written a request at a time with
         what ``fill(entry, param, target, start, size)`` puts in ``target`` (``size`` bytes of
         the entry from ``start``), through :meth:`_stream`."""
+        self._ahead.take()
         generation, out = self._create(layout.nbytes)
         slot = self._slot_bytes()
 
@@ -589,6 +623,7 @@ class SwappedState:
         the live file, or write a scratch file that is then removed. Returns the bytes
         moved. For benchmarks/optimizer_swap.py: the swapper's own disk speed, without the
         optimizer."""
+        self._ahead.take()
         layout = self.layout()
         if layout is None:
             return 0
@@ -660,46 +695,16 @@ class _UndoFailed(Exception):
     """A failed step's parameters could not all be put back (a second failure)."""
 
 
-class _Transfer:
-    """The requests of one chunk's read or write: ``wait()`` returns when all are done and
-    raises the first one's error (a ``SwapError``) after all have finished."""
-
-    def __init__(self, futures, intervals):
-        self.futures, self.intervals = futures, intervals
-        self.submitted = time.perf_counter()
-
-    def wait(self):
-        """Seconds from submission to the last byte."""
-        error, finished = None, self.submitted
-        for future in self.futures:
-            try:
-                begin, end = future.result()
-                self.intervals.append((begin, end))
-                finished = max(finished, end)
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return finished - self.submitted
-
-    def done(self):
-        """Whether every request has finished (never waits)."""
-        return all(future.done() for future in self.futures)
-
-    def settle(self):
-        """Wait for every request, ignoring errors (a failed step's cleanup)."""
-        concurrent.futures.wait(self.futures)
-
-
 class _StepRun:
     """One swapped step's pipeline over its chunks; every buffer it takes goes back to the
     pool on every path, after every request that uses it has finished."""
 
     def __init__(self, optimizer, pool, submit, stats, layout, old, source, out, intervals,
-                 waits):
+                 waits, written):
         self.optimizer, self.pool, self.submit, self.stats = optimizer, pool, submit, stats
         self.layout, self.old = layout, old
         self.source, self.out = source, out
+        self.written = written      # chunk indices whose undo copies are in ``out`` already
         self.intervals, self.waits = intervals, waits
         self.applied = 0
         self.first_state = {}       # param -> its first piece's non-elementwise state
@@ -745,8 +750,11 @@ class _StepRun:
                 self._step(chunk, buffer)
                 # Every chunk is read already: no read will take this buffer, so its undo
                 # copy stays in memory until the step ends and need not go to disk.
-                runs = self._writes(chunk, undo=following < len(chunks))
+                runs = self._writes(chunk, undo=following < len(chunks)
+                                    and i not in self.written)
                 self.stats.bytes_written += sum(n for _, _, n in runs)
+                if i in self.written:
+                    self.stats.ahead_used += sum(aligned(piece.undo.nbytes) for piece in chunk)
                 writing.append((buffer, self.submit(self.out, buffer, runs, True,
                                                     self.intervals)))
             while writing:
@@ -775,8 +783,9 @@ class _StepRun:
     def undo(self, chunks):
         """Give the parameters of the chunks stepped their values from before the step: from
         the buffer that still holds a chunk's undo copy, else read back from the new
-        generation's undo area, where its write put it. Raises :class:`_UndoFailed` where
-        that read fails (the parameters are then half-stepped)."""
+        generation's undo area, where its write (or the copies written ahead) put it.
+        Raises :class:`_UndoFailed` where that read fails (the parameters are then
+        half-stepped)."""
         held = self.held
         for i, buffer in held.items():
             if i < self.applied:
@@ -950,10 +959,11 @@ class _StepRun:
                 "non-elementwise state: the optimizer does not step it elementwise")
 
 
-def _close(pool, io, root, root_fd, directory, owner):
+def _close(ahead, pool, io, root, root_fd, directory, owner):
     if os.getpid() != owner:
         # A forked child that exits normally runs finalizers too: the folder is its parent's.
         return
+    ahead.take()        # its thread uses the pool and the I/O threads
     io.shutdown(wait=True)
     pool.release()
     shutil.rmtree(root, ignore_errors=True)

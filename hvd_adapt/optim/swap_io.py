@@ -6,6 +6,7 @@ part-way, the end of a file): each transfer loops until it is complete, and a
 short read at the end of a file or an ``OSError`` becomes a ``SwapError`` that
 names the file, the bytes and the errno.
 """
+import concurrent.futures
 import errno
 import fcntl
 import os
@@ -15,6 +16,7 @@ import time
 import torch
 
 BLOCK = 4096            # the file system's block: O_DIRECT's alignment of offsets, sizes, memory
+IO_BYTES = 8 << 20      # one pread/pwrite request: 8 MiB
 
 
 class SwapError(OSError):
@@ -169,6 +171,51 @@ class SwapFile:
 
     def close(self):
         os.close(self.fd)
+
+
+def submit(io, file, buffer, runs, write, intervals):
+    """Start moving ``runs`` (``[(file offset, buffer offset, bytes)]``) between ``file`` and
+    ``buffer`` on the executor ``io``, in requests of at most IO_BYTES: a :class:`Transfer`
+    (each request's ``(started, finished)`` goes to ``intervals`` when waited for)."""
+    futures = []
+    for file_offset, buffer_offset, nbytes in runs:
+        call = file.write if write else file.read      # no file where there are no runs
+        for start in range(0, nbytes, IO_BYTES):
+            size = min(IO_BYTES, nbytes - start)
+            futures.append(io.submit(call, buffer.memory(buffer_offset + start, size),
+                                     file_offset + start))
+    return Transfer(futures, intervals)
+
+
+class Transfer:
+    """The requests of one run of I/O: ``wait()`` returns when all are done and raises the
+    first one's error (a ``SwapError``) after all have finished."""
+
+    def __init__(self, futures, intervals):
+        self.futures, self.intervals = futures, intervals
+        self.submitted = time.perf_counter()
+
+    def wait(self):
+        """Seconds from submission to the last byte."""
+        error, finished = None, self.submitted
+        for future in self.futures:
+            try:
+                begin, end = future.result()
+                self.intervals.append((begin, end))
+                finished = max(finished, end)
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return finished - self.submitted
+
+    def done(self):
+        """Whether every request has finished (never waits)."""
+        return all(future.done() for future in self.futures)
+
+    def settle(self):
+        """Wait for every request, ignoring errors (a failed step's cleanup)."""
+        concurrent.futures.wait(self.futures)
 
 
 def _code(number):

@@ -266,6 +266,14 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
     return chunks, end
 
 
+def plan_signature(chunks, end):
+    """What a plan's undo area holds where: each piece's parameter (by identity), element
+    range and place in the file, chunk by chunk. Two plans with one signature put the same
+    values in the same bytes."""
+    return end, tuple(tuple((id(piece.param), piece.start, piece.stop, piece.undo.file_offset,
+                             piece.undo.nbytes) for piece in chunk) for chunk in chunks)
+
+
 def _whole_because(param):
     if not param.is_contiguous():
         return "the parameter is not contiguous in memory (channels_last, a transposed view)"
