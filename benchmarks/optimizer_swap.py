@@ -11,14 +11,17 @@ memory, in one invocation.
   cache), interleaved, ``--rounds`` rounds; medians and ranges.
 - **memory and step time**: an AdamW job whose largest parameter is an embedding
   (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
-  memory, each in a process of its own: peak RSS (``VmHWM``) saved over the
-  state's bytes, and the median optimizer step with ``--micro`` micro-steps against
-  the physical bound max(in-memory step, state / raw read + state / raw write),
-  with where each job's step goes (micro-steps and optimizer; for the swapped
-  one its reads and writes, waits, compute, copies and agreements, per step).
+  memory, each in a process of its own, ``--job-rounds`` rounds of the two in
+  alternating order: peak RSS (``VmHWM``) saved over the state's bytes, and the
+  median optimizer step with ``--micro`` micro-steps against the physical bound
+  max(in-memory step, state / raw read + state / raw write), a ratio per round
+  (median and range), with where each job's step goes (micro-steps and
+  optimizer; for the swapped one its reads and writes, waits, compute, copies
+  and agreements, and the bytes it wrote and found written ahead, per step).
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
-                                        [--jobs-gb 0.5,2] [--rounds 3] [--json out.json]
+                                        [--jobs-gb 0.5,2] [--rounds 5] [--job-rounds 3]
+                                        [--json out.json]
 """
 import argparse
 import concurrent.futures
@@ -173,11 +176,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default=None, help="default: a folder under /tmp")
     parser.add_argument("--state-gb", type=float, default=2.0, help="the disk test's state")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="the disk test's rounds")
     parser.add_argument("--workers", type=int, default=4, help="I/O threads, both sides")
     parser.add_argument("--jobs-gb", default="0.5,2", help="the jobs' AdamW states, GB")
     parser.add_argument("--micro", type=int, default=4, help="micro-steps per optimizer step")
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
+    parser.add_argument("--job-rounds", type=int, default=3,
+                        help="rounds of the in-memory and swapped jobs, alternating")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-step")
     parser.add_argument("--buffer-mb", type=float, default=16, help="each swap buffer")
     parser.add_argument("--json", default=None,
@@ -193,6 +198,7 @@ def main(argv=None):
     os.makedirs(args.swap_dir, exist_ok=True)
     nbytes, gbps = disk(args.swap_dir, args.state_gb, args.rounds, args.workers)
     results = {"disk_bytes": nbytes, "workers": args.workers, "rounds": args.rounds,
+               "job_rounds": args.job_rounds,
                "disk_gbps": gbps}
     print(f"disk: {nbytes / 1e9:.2f} GB, {args.workers} threads, 8 MiB requests, O_DIRECT, "
           f"{args.rounds} rounds interleaved; GB/s median [range]")
@@ -206,30 +212,46 @@ def main(argv=None):
     print(f"{'state GB':>8} {'emb':>5} {'memory s':>9} {'swap s':>7} {'bound s':>8} "
           f"{'swap/bound':>10} {'hidden':>7} {'memory GB':>10} {'swap GB':>8} {'saved/state':>11}")
     for gb in [float(g) for g in args.jobs_gb.split(",") if g]:
-        memory = launch("memory", gb, args)
-        swap = launch("swap", gb, args)
-        state = swap["state_bytes"]
-        bound = max(memory["step_s"], state / 1e9 / raw_read + state / 1e9 / raw_write)
-        stats = swap["swap"]
-        row = {"state_gb": state / 1e9, "embedding_share": swap["embedding_share"],
-               "memory_step_s": memory["step_s"], "swap_step_s": swap["step_s"],
-               "bound_s": bound, "swap_over_bound": swap["step_s"] / bound,
-               "hidden": stats["swap_hidden_s"] / stats["swap_io_s"] if stats["swap_io_s"] else 0,
-               "memory_peak_bytes": memory["peak_bytes"], "swap_peak_bytes": swap["peak_bytes"],
-               "saved_over_state": (memory["peak_bytes"] - swap["peak_bytes"]) / state}
-        row["phases"] = {"memory_micro_s": memory["micro_s"],
-                         "memory_optimizer_s": memory["optimizer_s"],
-                         "swap_micro_s": swap["micro_s"], "swap_optimizer_s": swap["optimizer_s"],
-                         **swap["swap_per_step"]}
+        rounds = []
+        for r in range(args.job_rounds):
+            order = ("memory", "swap") if r % 2 == 0 else ("swap", "memory")
+            rounds.append({mode: launch(mode, gb, args) for mode in order})
+        state = rounds[0]["swap"]["state_bytes"]
+        io_bound = state / 1e9 / raw_read + state / 1e9 / raw_write
+        bounds = [max(r["memory"]["step_s"], io_bound) for r in rounds]
+        ratios = [r["swap"]["step_s"] / bound for r, bound in zip(rounds, bounds)]
+
+        def median(mode, key):
+            return statistics.median(r[mode][key] for r in rounds)
+        stats = [r["swap"]["swap"] for r in rounds]
+        row = {"state_gb": state / 1e9, "embedding_share": rounds[0]["swap"]["embedding_share"],
+               "memory_step_s": median("memory", "step_s"), "swap_step_s": median("swap", "step_s"),
+               "bound_s": statistics.median(bounds), "swap_over_bound": statistics.median(ratios),
+               "swap_over_bound_rounds": ratios,
+               "hidden": statistics.median(s["swap_hidden_s"] / s["swap_io_s"] if s["swap_io_s"]
+                                           else 0 for s in stats),
+               "memory_peak_bytes": median("memory", "peak_bytes"),
+               "swap_peak_bytes": median("swap", "peak_bytes")}
+        row["saved_over_state"] = (row["memory_peak_bytes"] - row["swap_peak_bytes"]) / state
+        row["phases"] = {"memory_micro_s": median("memory", "micro_s"),
+                         "memory_optimizer_s": median("memory", "optimizer_s"),
+                         "swap_micro_s": median("swap", "micro_s"),
+                         "swap_optimizer_s": median("swap", "optimizer_s"),
+                         **{key: statistics.median(r["swap"]["swap_per_step"][key] for r in rounds)
+                            for key in rounds[0]["swap"]["swap_per_step"]}}
         runs.append(row)
         print(f"{row['state_gb']:>8.2f} {row['embedding_share']:>5.2f} "
-              f"{row['memory_step_s']:>9.2f} {row['swap_step_s']:>7.2f} {bound:>8.2f} "
-              f"{row['swap_over_bound']:>10.2f} {row['hidden']:>7.2f} "
+              f"{row['memory_step_s']:>9.2f} {row['swap_step_s']:>7.2f} {row['bound_s']:>8.2f} "
+              f"{spread(ratios):>10} {row['hidden']:>7.2f} "
               f"{row['memory_peak_bytes'] / 1e9:>10.2f} {row['swap_peak_bytes'] / 1e9:>8.2f} "
               f"{row['saved_over_state']:>11.2f}", flush=True)
+        phases = row["phases"]
         print("    per step, s: " + ", ".join(
-            f"{key.replace('swap_per_step', '')} {value:.3f}" for key, value in row["phases"].items()
-            if key.endswith("_s")), flush=True)
+            f"{key} {value:.3f}" for key, value in phases.items() if key.endswith("_s")),
+            flush=True)
+        print(f"    per step, MB: read {phases['swap_read_bytes'] / 1e6:.0f}, written "
+              f"{phases['swap_written_bytes'] / 1e6:.0f}, undo copies found written ahead "
+              f"{phases['swap_undo_ahead_used_bytes'] / 1e6:.0f}", flush=True)
     results["runs"] = runs
     if args.json:
         import record

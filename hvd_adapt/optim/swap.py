@@ -422,22 +422,26 @@ class SwappedState:
             return
         chunks, signature = self._next_plan
         self._next_plan = None
+        file = None
         try:
             fd = os.open(SPARE, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                          dir_fd=self._root_fd)
-        except OSError as e:    # removed by hand: the step writes its undo copies itself
+            file = SwapFile(fd, os.path.join(self.root, SPARE), self._o_direct)
+            ready = None
+            device = next((piece.param.device for chunk in chunks for piece in chunk
+                           if piece.param.is_cuda), None)
+            if device is not None:
+                # The last step's updates on this stream come before the copies.
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+            self._ahead.start(UndoAhead(chunks, signature, file, self._pool, self._io,
+                                        self.stats, ready))
+        except Exception as e:
+            # Called from a backward hook: only speed is at stake (the step writes its undo
+            # copies itself), never the backward (the spare removed by hand, no thread).
+            if file is not None:
+                file.close()
             log.debug("no undo copies written ahead: %s", e)
-            return
-        file = SwapFile(fd, os.path.join(self.root, SPARE), self._o_direct)
-        ready = None
-        device = next((piece.param.device for chunk in chunks for piece in chunk
-                       if piece.param.is_cuda), None)
-        if device is not None:
-            # The last step's updates on this stream come before the copies.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-        self._ahead.start(UndoAhead(chunks, signature, file, self._pool, self._io, self.stats,
-                                    ready))
 
     def read(self, params, keys):
         """The live state of ``params`` (only ``keys`` of it), read now: {param: {key: tensor}}.

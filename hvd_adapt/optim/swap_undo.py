@@ -87,7 +87,8 @@ class UndoAhead:
     def _run(self):
         buffers, flight = [], None      # flight: (buffer, transfer, chunk indices)
         try:
-            buffers = [self.pool.take(), self.pool.take()]
+            for _ in range(2):
+                buffers.append(self.pool.take())
             stream = None
             if self.ready is not None:
                 # A stream of its own: the copies overlap the micro-steps' kernels, after
