@@ -2,8 +2,8 @@
 
 A swapped step keeps the values it moves (each parameter's bytes before the step) in
 the new generation's undo area, so that a step that fails part way can put them back.
-Written by the step, they are a third more bytes on the step's critical path than the
-state itself (Adam's two moments are twice the parameters). The parameters do not
+Written by the step, they are a quarter more I/O on the step's critical path than the
+state's own read and write (Adam's two moments are twice the parameters). The parameters do not
 change between the first backward of a step's micro-steps and the step, so their bytes
 can go to disk before the step, while the micro-steps compute and the disk is idle:
 into the spare, the file the next generation is written over. The step then writes
@@ -14,7 +14,9 @@ the one the copies were written for (:func:`plan_signature`), its file is the on
 went to (device and inode), and each of the chunk's parameters is the tensor it was
 when copied (the same memory and the same version counter, which every in-place change
 through autograd's view of it moves: ``torch.no_grad()`` updates, ``copy_``,
-``load_state_dict``, an elastic restore). Changes that bypass the counter (``p.data``
+``load_state_dict``, an elastic restore). The copied tensors are held until the step,
+so their memory cannot go to another tensor meanwhile and an address identifies them (a
+parameter replaced with ``p.data = ...`` keeps its old memory until the step). Changes that bypass the counter (``p.data``
 written in place, numpy views) are not seen: made between the first backward and
 ``step()``, a failed step would put back the values from before them.
 """
@@ -43,7 +45,7 @@ class UndoAhead:
         self.chunks, self.signature, self.file = chunks, signature, file
         self.identity = _identity(file.fd)
         self.pool, self.io, self.stats, self.ready = pool, io, stats, ready
-        self.copied = {}            # chunk index -> its parameters' (memory, version) copied
+        self.copied = {}            # chunk index -> its pieces' (values, version) as copied
         self.written = set()        # chunk indices whose copies are on disk
         self.error = None
         self._cancelled = threading.Event()
@@ -67,7 +69,7 @@ class UndoAhead:
         already, and are the values their parameters hold now."""
         if signature != self.signature or _identity(file.fd) != self.identity:
             return set()
-        return {i for i in self.written if _identities(chunks[i]) == self.copied[i]}
+        return {i for i in self.written if _unchanged(chunks[i], self.copied[i])}
 
     def _batches(self, room):
         """Runs of whole chunks whose undo copies (consecutive in the file) fit ``room``."""
@@ -102,20 +104,19 @@ class UndoAhead:
                     else buffers[0]
                 region = self.chunks[batch[0]][0].undo.file_offset
                 end = region
+                last = self.chunks[batch[-1]][-1].undo
+                end = last.file_offset + aligned(last.nbytes)
                 for i in batch:
-                    before = _identities(self.chunks[i])
                     with torch.cuda.stream(stream) if stream is not None \
                             else contextlib.nullcontext():
-                        for piece in self.chunks[i]:
-                            undo = piece.undo
-                            _copy(buffer.view(undo.file_offset - region, piece.param.dtype,
-                                              undo.shape), piece.values())
-                            end = undo.file_offset + aligned(undo.nbytes)
+                        held = [_copy_piece(buffer, piece.undo.file_offset - region, piece)
+                                for piece in self.chunks[i]]
                     if stream is not None:
                         stream.synchronize()
-                    # Changed while copied: the step writes this chunk's copies itself.
-                    if _identities(self.chunks[i]) == before:
-                        self.copied[i] = before
+                    # Changed while copied, or no longer as planned: the step writes this
+                    # chunk's copies itself.
+                    if all(h is not None for h in held) and _unchanged(self.chunks[i], held):
+                        self.copied[i] = held
                 transfer = submit(self.io, self.file, buffer, [(region, 0, end - region)], True,
                                   [])
                 if flight is not None:
@@ -172,8 +173,36 @@ def _copy(target, values):
                        values.numel() * values.element_size())
 
 
-def _identities(chunk):
-    return [(piece.param.data_ptr(), piece.param._version) for piece in chunk]
+def _copy_piece(buffer, offset, piece):
+    """Copy ``piece``'s values into ``buffer`` at ``offset``: ``(values, version)``, the values
+    held (so that no other tensor can take their memory, and its address identifies them),
+    or None where the parameter is no longer as planned (model surgery: a new shape or
+    dtype), whose copy would not fit its slot."""
+    version = piece.param._version
+    try:
+        values = piece.values()
+    except RuntimeError:        # no longer contiguous: it cannot be viewed flat
+        return None
+    undo = piece.undo
+    if tuple(values.shape) != tuple(undo.shape) \
+            or values.numel() * values.element_size() != undo.nbytes:
+        return None
+    _copy(buffer.view(offset, values.dtype, undo.shape), values)
+    return values, version
+
+
+def _unchanged(chunk, held):
+    """Whether each piece of ``chunk`` is the tensor ``held`` copied: the same memory (held,
+    so not another tensor's) and the same version counter."""
+    for piece, (values, version) in zip(chunk, held):
+        try:
+            now = piece.values()
+        except RuntimeError:
+            return False
+        if piece.param._version != version or now.data_ptr() != values.data_ptr() \
+                or now.dtype != values.dtype or tuple(now.shape) != tuple(values.shape):
+            return False
+    return True
 
 
 def _identity(fd):
