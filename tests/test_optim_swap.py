@@ -474,8 +474,8 @@ def _raise():
 @pytest.mark.parametrize("fault", ["optimizer-error", "read-eio"])
 def test_a_step_that_fails_part_way_is_undone_bitwise(fault, tmp_path):
     # Buffers of 36 KiB: 8 chunks of two parameters (state and undo copy 16 KiB each).
-    # The fault comes at chunk 6: chunks 0-3 are put back from the undo area on disk,
-    # the later ones from the buffers that still hold them.
+    # The optimizer fails at chunk 6 (or a read of chunks 4-7 fails): the first chunks are
+    # put back from the undo area on disk, the later ones from the buffers that hold them.
     pairs = pair(deep, str(tmp_path), buffer_mb=36 / 1024)
     step_both(pairs, 2)
     (model, opt), _ = pairs
@@ -485,7 +485,9 @@ def test_a_step_that_fails_part_way_is_undone_bitwise(fault, tmp_path):
 
     def truncate_live():
         # The live generation (the newest is the one being written) loses its bytes: the
-        # read of chunk 6 ends early, a real short read of a real file.
+        # read of a later chunk ends early, a real short read of a real file: chunk 7's at
+        # the latest (its buffer is chunk 3's, written after this), chunk 4's at the
+        # earliest (reads run as far ahead as the buffers allow).
         [folder] = swap_folders(str(tmp_path))
         names = sorted(os.listdir(tmp_path / folder), key=lambda n: int(n[3:-4]))
         saved["path"] = tmp_path / folder / names[-2]
@@ -493,14 +495,14 @@ def test_a_step_that_fails_part_way_is_undone_bitwise(fault, tmp_path):
         os.truncate(saved["path"], 0)
 
     opt.optimizer.calls = 0
-    opt.optimizer.after = {6: _raise} if fault == "optimizer-error" else {4: truncate_live}
+    opt.optimizer.after = {6: _raise} if fault == "optimizer-error" else {3: truncate_live}
     opt.zero_grad()
     model(torch.randn(8, 32)).pow(2).mean().backward()
     with pytest.raises(OSError if fault == "read-eio" else RuntimeError,
                        match=r"the file ends there \(errno EIO\)" if fault == "read-eio"
                        else "the inner optimizer failed"):
         opt.step()
-    assert opt.optimizer.calls == 7 if fault == "optimizer-error" else opt.optimizer.calls >= 5
+    assert opt.optimizer.calls == 7 if fault == "optimizer-error" else opt.optimizer.calls >= 4
     if saved:       # the disk comes back: the last good generation was never written
         saved["path"].write_bytes(saved["bytes"])
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "all undone"
@@ -610,7 +612,9 @@ def test_undo_copies_written_ahead_put_a_failed_step_back_bitwise(tmp_path):
     with pytest.raises(RuntimeError, match="the inner optimizer failed"):
         opt.step()
     used = opt.swap_metrics()["swap_undo_ahead_used_bytes"] - since["swap_undo_ahead_used_bytes"]
-    assert used >= 6 * 2 * 4096, "chunks 0-5 were written without their undo copies"
+    # Chunks 0-3 at least (the later ones may find every read done: their copies stay in
+    # their buffers).
+    assert used >= 4 * 2 * 4096, "chunks 0-3 were written without their undo copies"
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "all undone"
     assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(state_tensors(opt), state))
     step_both(pairs, 3)

@@ -33,7 +33,7 @@ from .._runtime.private_files import create_exclusive, new_locked_folder, \
     remove_unlocked_folders
 from .swap_io import IO_BYTES, BufferPool, SwapError, SwapFile, aligned, submit
 from .swap_layout import Layout, plan_pieces, plan_signature, probe_makeup, segments
-from .swap_undo import UndoAhead, UndoAheadSlot
+from .swap_undo import UndoAhead, UndoAheadSlot, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,9 @@ class SwappedState:
         message, out = None, None
         try:
             generation, out = self._create(end)
-        except SwapError as e:
+        except OSError as e:
+            # Any (a SwapError, or the spare replaced by a symlink: ELOOP): said in the
+            # agreement, or the other ranks would wait in it.
             message = str(e)
         try:
             failures = agree(message, "reserved")
@@ -363,7 +365,7 @@ class SwappedState:
         intervals, waits = [], []
         source = runner = None
         signature = plan_signature(chunks, end)
-        written = ahead.usable(chunks, signature, out) if ahead is not None else set()
+        written = ahead.usable(chunks, signature, out) if ahead is not None else {}
         try:
             error = None
             try:
@@ -708,7 +710,7 @@ class _StepRun:
         self.optimizer, self.pool, self.submit, self.stats = optimizer, pool, submit, stats
         self.layout, self.old = layout, old
         self.source, self.out = source, out
-        self.written = written      # chunk indices whose undo copies are in ``out`` already
+        self.written = written      # chunk index -> fingerprints of its copies written ahead
         self.intervals, self.waits = intervals, waits
         self.applied = 0
         self.first_state = {}       # param -> its first piece's non-elementwise state
@@ -753,12 +755,11 @@ class _StepRun:
                 held[i] = buffer
                 self._step(chunk, buffer)
                 # Every chunk is read already: no read will take this buffer, so its undo
-                # copy stays in memory until the step ends and need not go to disk.
+                # copy stays in memory until the step ends and need not go to disk; nor
+                # where it went to disk ahead, of the values the step moved.
                 runs = self._writes(chunk, undo=following < len(chunks)
-                                    and i not in self.written)
+                                    and not self._written_ahead(i, chunk, buffer))
                 self.stats.bytes_written += sum(n for _, _, n in runs)
-                if i in self.written:
-                    self.stats.ahead_used += sum(aligned(piece.undo.nbytes) for piece in chunk)
                 writing.append((buffer, self.submit(self.out, buffer, runs, True,
                                                     self.intervals)))
             while writing:
@@ -772,6 +773,21 @@ class _StepRun:
             raise
         finally:
             self._settle(reading, writing)
+
+    def _written_ahead(self, i, chunk, buffer):
+        """Whether chunk ``i``'s undo copy was written ahead (``swap_undo``) of the values its
+        undo copy in ``buffer`` holds: their fingerprints agree."""
+        expected = self.written.get(i)
+        if expected is None:
+            return False
+        began = time.perf_counter()
+        now = [fingerprint(buffer.bytes, piece.undo.buffer_offset, piece.undo.nbytes)
+               for piece in chunk]
+        self.stats.copy += time.perf_counter() - began
+        if now != expected:
+            return False
+        self.stats.ahead_used += sum(aligned(piece.undo.nbytes) for piece in chunk)
+        return True
 
     def release(self):
         """Give the buffers back to the pool (every request using them has finished)."""

@@ -3,22 +3,23 @@
 A swapped step keeps the values it moves (each parameter's bytes before the step) in
 the new generation's undo area, so that a step that fails part way can put them back.
 Written by the step, they are a quarter more I/O on the step's critical path than the
-state's own read and write (Adam's two moments are twice the parameters). The parameters do not
-change between the first backward of a step's micro-steps and the step, so their bytes
-can go to disk before the step, while the micro-steps compute and the disk is idle:
-into the spare, the file the next generation is written over. The step then writes
-only the state.
+state's own read and write (Adam's two moments are twice the parameters). The
+parameters do not change between the first backward of a step's micro-steps and the
+step, as a rule, so their bytes can go to disk before the step, while the micro-steps
+compute and the disk is idle: into the spare, the file the next generation is written
+over. The step then writes only the state.
 
-Nothing is taken on trust: the step skips a chunk's undo write only where its plan is
-the one the copies were written for (:func:`plan_signature`), its file is the one they
-went to (device and inode), and each of the chunk's parameters is the tensor it was
-when copied (the same memory and the same version counter, which every in-place change
-through autograd's view of it moves: ``torch.no_grad()`` updates, ``copy_``,
-``load_state_dict``, an elastic restore). The copied tensors are held until the step,
-so their memory cannot go to another tensor meanwhile and an address identifies them (a
-parameter replaced with ``p.data = ...`` keeps its old memory until the step). Changes that bypass the counter (``p.data``
-written in place, numpy views) are not seen: made between the first backward and
-``step()``, a failed step would put back the values from before them.
+Nothing is taken on trust. Before the step uses any copy written ahead: its plan must be
+the one they were written for (:func:`plan_signature`), its file the one they went to
+(device and inode) with every copied byte still there (no hole: the file was not cut),
+and each parameter the tensor it was when copied (the same memory and version counter,
+which every in-place change through autograd's view of it moves: ``torch.no_grad()``
+updates, ``copy_``, ``load_state_dict``, an elastic restore). And as each chunk steps,
+the step, which copies the chunk's values into its buffer anyway, compares their
+:func:`fingerprint` with the one taken ahead: a change the counter does not see (``p.data``
+written in place, as weight clipping does, a numpy view, a tensor at a freed one's
+address) makes the step write that chunk's copies itself. A chunk that fails any of this
+is written as without this module.
 """
 import contextlib
 import ctypes
@@ -28,7 +29,7 @@ import threading
 
 import torch
 
-from .swap_io import aligned, submit
+from .swap_io import SwapError, aligned, submit
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,15 @@ class UndoAhead:
     :func:`plan_signature`) into ``file`` on a thread of its own, two of ``pool``'s buffers
     in turn (one filled while the other is written by the I/O executor ``io``), counting
     the bytes written in ``stats.ahead_written``. ``ready``: a CUDA event the copies of
-    CUDA parameters wait for (the last step's updates), or None.
+    CUDA parameters wait for (the last step's updates), or None. The thread closes
+    ``file`` when it ends.
     """
 
     def __init__(self, chunks, signature, file, pool, io, stats, ready=None):
         self.chunks, self.signature, self.file = chunks, signature, file
         self.identity = _identity(file.fd)
         self.pool, self.io, self.stats, self.ready = pool, io, stats, ready
-        self.copied = {}            # chunk index -> its pieces' (values, version) as copied
+        self.copied = {}            # chunk index -> [(address, version, fingerprint)] per piece
         self.written = set()        # chunk indices whose copies are on disk
         self.error = None
         self._cancelled = threading.Event()
@@ -54,22 +56,33 @@ class UndoAhead:
         self._thread.start()
 
     def stop(self):
-        """Start nothing more, wait for what is under way, close the file. Idempotent."""
+        """Start nothing more and wait for what is under way (not on the thread itself: a
+        garbage collection there may finalize the optimizer). Idempotent."""
         self._cancelled.set()
-        self._thread.join()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-            if self.error is not None:
-                # Only speed is at stake: the step writes these copies itself.
-                log.debug("undo copies written ahead stopped: %s", self.error)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        if self.error is not None:
+            # Only speed is at stake: the step writes these copies itself.
+            log.debug("undo copies written ahead stopped: %s", self.error)
 
     def usable(self, chunks, signature, file):
-        """The indices of ``chunks`` (the step's plan) whose undo copies are in ``file``
-        already, and are the values their parameters hold now."""
+        """``{chunk index: [fingerprint per piece]}`` for the chunks of ``chunks`` (the
+        step's plan) whose undo copies are in ``file`` already, from parameters that are,
+        as far as their memory and version counters tell, as they were when copied."""
         if signature != self.signature or _identity(file.fd) != self.identity:
-            return set()
-        return {i for i in self.written if _unchanged(chunks[i], self.copied[i])}
+            return {}
+        out = {}
+        for i in sorted(self.written):
+            chunk = chunks[i]
+            start = chunk[0].undo.file_offset
+            end = chunk[-1].undo.file_offset + chunk[-1].undo.nbytes
+            try:
+                file.check_written(start, end - start)
+            except SwapError:
+                continue            # cut since (and perhaps grown again): gone
+            if _unchanged(chunk, self.copied[i]):
+                out[i] = [fingerprint for _, _, fingerprint in self.copied[i]]
+        return out
 
     def _batches(self, room):
         """Runs of whole chunks whose undo copies (consecutive in the file) fit ``room``."""
@@ -103,20 +116,10 @@ class UndoAhead:
                 buffer = buffers[1] if flight is not None and flight[0] is buffers[0] \
                     else buffers[0]
                 region = self.chunks[batch[0]][0].undo.file_offset
-                end = region
                 last = self.chunks[batch[-1]][-1].undo
                 end = last.file_offset + aligned(last.nbytes)
                 for i in batch:
-                    with torch.cuda.stream(stream) if stream is not None \
-                            else contextlib.nullcontext():
-                        held = [_copy_piece(buffer, piece.undo.file_offset - region, piece)
-                                for piece in self.chunks[i]]
-                    if stream is not None:
-                        stream.synchronize()
-                    # Changed while copied, or no longer as planned: the step writes this
-                    # chunk's copies itself.
-                    if all(h is not None for h in held) and _unchanged(self.chunks[i], held):
-                        self.copied[i] = held
+                    self._copy_chunk(i, buffer, region, stream)
                 transfer = submit(self.io, self.file, buffer, [(region, 0, end - region)], True,
                                   [])
                 if flight is not None:
@@ -132,6 +135,25 @@ class UndoAhead:
                 flight[1].settle()
             for buffer in buffers:
                 self.pool.give_back(buffer)
+            # Here, not in stop(): a file closed under a running thread would have its
+            # descriptor's number reused by another file, which the thread then writes.
+            self.file.close()
+
+    def _copy_chunk(self, i, buffer, region, stream):
+        chunk = self.chunks[i]
+        copies = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for piece in chunk:
+                copies.append(_copy_piece(buffer, piece.undo.file_offset - region, piece))
+        if stream is not None:
+            stream.synchronize()
+        # Changed while copied, or no longer as planned: the step writes this chunk's
+        # copies itself.
+        if all(copy is not None for copy in copies) and _unchanged(chunk, copies):
+            self.copied[i] = [
+                (address, version, fingerprint(buffer.bytes, piece.undo.file_offset - region,
+                                               piece.undo.nbytes))
+                for piece, (address, version) in zip(chunk, copies)]
 
     def _finish(self, flight):
         _, transfer, batch = flight
@@ -156,11 +178,25 @@ class UndoAheadSlot:
         self.current = ahead
 
     def take(self):
-        """Stop the current one and return it (None if there is none)."""
-        ahead, self.current = self.current, None
+        """Stop the current one and return it (None if there is none). Interrupted while it
+        stops (Ctrl-C), it stays current, to be stopped by the next call."""
+        ahead = self.current
         if ahead is not None:
             ahead.stop()
+            self.current = None
         return ahead
+
+
+def fingerprint(data, offset, nbytes):
+    """A sum of ``nbytes`` of ``data`` (a uint8 tensor) from ``offset`` (8-aligned), taken
+    as the widest integers that divide them, wrapping at 64 bits: any edit of the values
+    changes it but a permutation of equal words (or an edit that sums to 0 mod 2**64). A
+    pass over the bytes at memory speed, no copy."""
+    data = data[offset:offset + nbytes]
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if nbytes % width == 0:
+            return int(data.view(dtype).sum(dtype=torch.int64))
+    return int(data.sum(dtype=torch.int64))
 
 
 def _copy(target, values):
@@ -174,11 +210,19 @@ def _copy(target, values):
 
 
 def _copy_piece(buffer, offset, piece):
-    """Copy ``piece``'s values into ``buffer`` at ``offset``: ``(values, version)``, the values
-    held (so that no other tensor can take their memory, and its address identifies them),
-    or None where the parameter is no longer as planned (model surgery: a new shape or
-    dtype), whose copy would not fit its slot."""
+    """Copy ``piece``'s values into ``buffer`` at ``offset``: ``(address, version)`` as
+    copied, or None where the parameter is no longer as planned (model surgery: a new
+    shape or dtype), whose copy would not fit its slot."""
     version = piece.param._version
+    values = _values(piece)
+    if values is None:
+        return None
+    _copy(buffer.view(offset, values.dtype, piece.undo.shape), values)
+    return values.data_ptr(), version
+
+
+def _values(piece):
+    """The piece's values now, or None where they no longer fit its planned undo slot."""
     try:
         values = piece.values()
     except RuntimeError:        # no longer contiguous: it cannot be viewed flat
@@ -187,20 +231,15 @@ def _copy_piece(buffer, offset, piece):
     if tuple(values.shape) != tuple(undo.shape) \
             or values.numel() * values.element_size() != undo.nbytes:
         return None
-    _copy(buffer.view(offset, values.dtype, undo.shape), values)
-    return values, version
+    return values
 
 
-def _unchanged(chunk, held):
-    """Whether each piece of ``chunk`` is the tensor ``held`` copied: the same memory (held,
-    so not another tensor's) and the same version counter."""
-    for piece, (values, version) in zip(chunk, held):
-        try:
-            now = piece.values()
-        except RuntimeError:
-            return False
-        if piece.param._version != version or now.data_ptr() != values.data_ptr() \
-                or now.dtype != values.dtype or tuple(now.shape) != tuple(values.shape):
+def _unchanged(chunk, copies):
+    """Whether each piece of ``chunk`` has the memory and version counter it was copied
+    with (``copies``: ``(address, version, ...)`` per piece)."""
+    for piece, copy in zip(chunk, copies):
+        values = _values(piece)
+        if values is None or values.data_ptr() != copy[0] or piece.param._version != copy[1]:
             return False
     return True
 
