@@ -20,7 +20,7 @@ memory, in one invocation.
   and agreements, and the bytes it wrote and found written ahead, per step).
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
-                                        [--jobs-gb 0.5,2] [--rounds 5] [--job-rounds 3]
+                                        [--jobs-gb 0.5,2] [--rounds 6] [--job-rounds 3]
                                         [--json out.json]
 """
 import argparse
@@ -82,8 +82,11 @@ def disk(folder, state_gb, rounds, workers):
     live = os.path.join(swapped.root, f"gen{swapped.live}.bin")
     results = {key: [] for key in ("swap_write", "raw_write", "swap_read", "raw_read")}
     for r in range(rounds):
-        for kind in ("swap", "raw") if r % 2 == 0 else ("raw", "swap"):
-            for direction in ("write", "read"):
+        # The two sides back to back in each direction, the first alternating: a read that
+        # follows writes may share the disk with their write-back (a VM's disk is a file
+        # on its host), and each side is that read as often.
+        for direction in ("read", "write"):
+            for kind in ("swap", "raw") if r % 2 == 0 else ("raw", "swap"):
                 started = time.perf_counter()
                 if kind == "swap":
                     swapped.move_bytes(write=direction == "write")
@@ -176,7 +179,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default=None, help="default: a folder under /tmp")
     parser.add_argument("--state-gb", type=float, default=2.0, help="the disk test's state")
-    parser.add_argument("--rounds", type=int, default=5, help="the disk test's rounds")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="the disk test's rounds (even: each side goes first as often)")
     parser.add_argument("--workers", type=int, default=4, help="I/O threads, both sides")
     parser.add_argument("--jobs-gb", default="0.5,2", help="the jobs' AdamW states, GB")
     parser.add_argument("--micro", type=int, default=4, help="micro-steps per optimizer step")
