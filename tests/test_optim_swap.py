@@ -658,6 +658,36 @@ def test_a_parameter_changed_after_its_undo_copy_was_written_ahead_is_put_back_c
     assert_same(pairs)
 
 
+def test_a_parameter_grown_since_its_state_was_written_is_refused_before_anything_moves(
+        tmp_path):
+    # p.data = a larger tensor (a vocabulary grown between steps): its state, planned with
+    # the new size, would be read from the regions after its own. In memory AdamW fails on
+    # the shapes; on disk the step must refuse before anything moves, naming the parameter.
+    torch.manual_seed(0)
+    scale = torch.nn.Parameter(torch.ones(64))
+    model = torch.nn.Linear(16, 4)
+    opt = DistributedOptimizer(torch.optim.AdamW([scale] + list(model.parameters()), lr=0.1),
+                               swap_dir=str(tmp_path))
+
+    def backward():
+        opt.zero_grad()
+        (model(torch.randn(8, 16)).pow(2).mean() * scale.mean()).backward()
+    for _ in range(2):
+        backward()
+        opt.step()
+    state = state_tensors(opt)
+    kept = scale.data
+    scale.data = torch.ones(128)
+    backward()
+    params = [p.detach().clone() for p in [scale] + list(model.parameters())]
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(128,\).* has 128 elements, its "
+                                         r"optimizer state 'exp_avg' 64: nothing was stepped"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip([scale] + list(model.parameters()), params))
+    scale.data = kept       # the state as it was, readable with the size it was written for
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(state_tensors(opt), state))
+
+
 def test_a_hyper_parameter_that_adds_state_mid_run_is_stepped_as_in_memory(tmp_path):
     def sgd():
         model, _ = mlp()

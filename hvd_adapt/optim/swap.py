@@ -331,6 +331,14 @@ class SwappedState:
         for p in params:
             kept = old.get(p) if old is not None else None
             if kept is not None:
+                for e in kept.entries:
+                    # Model surgery (p.data = a larger tensor): its state would be read from
+                    # the regions of others. In memory the optimizer fails too, on the shapes.
+                    if e.elementwise and e.numel != p.numel():
+                        raise ValueError(
+                            f"hvd_adapt swap: {self._describe(p)} has {p.numel()} elements, "
+                            f"its optimizer state {e.key!r} {e.numel}: nothing was stepped; "
+                            "load a state dict that matches (load_state_dict) first")
                 tensors = [(e.key, e.dtype, e.shape, e.on_device) for e in kept.entries]
                 # A hyper-parameter turned on since (momentum from 0) adds state: planned now,
                 # before anything moves, and made by the optimizer at this step.
