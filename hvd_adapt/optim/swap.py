@@ -412,7 +412,6 @@ class SwappedState:
             for piece in chunk:
                 piece.tensor = None     # the step's views (and gradients) are not kept
         self._next_plan = chunks, signature
-        self._cuda_params = any(p.is_cuda for p in params)
         busy = _length(intervals)
         waited = _length(waits)
         self.stats.io += busy
