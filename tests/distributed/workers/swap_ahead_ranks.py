@@ -7,16 +7,13 @@ step, and train on as the state in memory that skipped it. For
 tests/distributed/test_swap_undo_ahead_ranks.py."""
 import argparse
 import os
-import sys
 import time
 
 import torch
 
 import hvd_adapt
 from _report import report
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.py)
+from _swap_model import build
 
 parser = argparse.ArgumentParser()
 parser.add_argument("swap_dir")
@@ -26,24 +23,11 @@ hvd_adapt.init()
 rank = hvd_adapt.env.rank()
 
 
-def build(where):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
-    inner = HookedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = hvd_adapt.DistributedOptimizer(
-        inner, swap_dir=os.path.join(where, f"rank{rank}") if where else None,
-        swap_buffer_mb=36 / 1024 if where else None)
-    return model, opt
-
-
 def fail():
     raise RuntimeError("the inner optimizer failed")
 
 
-swapped, memory = build(args.swap_dir), build(None)
+swapped, memory = build(os.path.join(args.swap_dir, f"rank{rank}")), build(None)
 state = hvd_adapt.State(model=swapped[0], optimizer=swapped[1], reference=memory[0],
                         reference_optimizer=memory[1])
 state.sync()

@@ -5,15 +5,12 @@ parameters and state bitwise as before the step, and then train on bitwise as th
 memory that never took that step. Reports per step for tests/distributed/test_swap_two_ranks.py."""
 import argparse
 import os
-import sys
 
 import torch
 
 import hvd_adapt
 from _report import report
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.py)
+from _swap_model import build
 
 parser = argparse.ArgumentParser()
 parser.add_argument("swap_dir")
@@ -22,20 +19,6 @@ args = parser.parse_args()
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()
 swap_dir = os.path.join(args.swap_dir, f"rank{rank}")
-
-
-def build(where):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
-    # Buffers of 36 KiB: 8 chunks of two parameters; a fault at chunk 6 puts chunks 0-3
-    # back from the undo area on disk, the later ones from the buffers.
-    inner = HookedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = hvd_adapt.DistributedOptimizer(inner, swap_dir=where,
-                                         swap_buffer_mb=36 / 1024 if where else None)
-    return model, opt
 
 
 def fail():
