@@ -128,12 +128,15 @@ def swap_section():
              table(["state GB", "embedding share", "in memory s/step (4 micro-steps)",
                     "on disk s/step", "bound s",
                     "on disk / bound, median (range over job rounds) (goal <= 1.15)",
+                    "floor / bound",
                     "swap I/O hidden", "peak RSS in memory GB", "on disk GB",
                     "saved / state bytes (goal >= 0.9)"],
                    [[f"{r['state_gb']:.2f}", f"{r['embedding_share']:.2f}",
                      f"{r['memory_step_s']:.2f}", f"{r['swap_step_s']:.2f}",
                      f"{r['bound_s']:.2f}", spread(r["swap_over_bound_rounds"])
                      if "swap_over_bound_rounds" in r else f"{r['swap_over_bound']:.2f}",
+                     spread(r["floor_over_bound_rounds"]) if "floor_over_bound_rounds" in r
+                     else "-",
                      f"{r['hidden']:.2f}",
                      f"{r['memory_peak_bytes'] / 1e9:.2f}", f"{r['swap_peak_bytes'] / 1e9:.2f}",
                      f"{r['saved_over_state']:.2f}"] for r in data["runs"]]),

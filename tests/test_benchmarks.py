@@ -47,6 +47,23 @@ def test_overhead_refuses_rounds_that_would_time_no_step():
     assert "--steps 4 must be at least 2 x --rounds (8)" in proc.stderr, proc.stderr
 
 
+def test_optimizer_swap(tmp_path):
+    out = bench("optimizer_swap.py", "--swap-dir", str(tmp_path), "--state-gb", "0.05",
+                "--jobs-gb", "0.02", "--rounds", "2", "--job-rounds", "2", "--steps", "2",
+                timeout=240)
+    for kind in ("write", "read"):
+        assert re.search(rf"^ +{kind}: raw [0-9.]+ \[.*\] +swapper [0-9.]+ \[.*\] +swapper/raw "
+                         r"[0-9.]+ \[", out, re.M), out
+    # The step's ratio and the design's floor over the same bound, each a median in its range.
+    spread = r"([0-9.]+) \[([0-9.]+)-([0-9.]+)\]"
+    row = re.search(rf"^ +0\.0\d +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +{spread} +{spread} ", out, re.M)
+    assert row, out
+    ratio, low, high, floor, floor_low, floor_high = map(float, row.groups())
+    assert low <= ratio <= high and floor_low <= floor <= floor_high, out
+    assert re.search(r"^ +per step, MB: read \d+, written \d+, undo copies found written ahead "
+                     r"\d+$", out, re.M), out
+
+
 @pytest.mark.parametrize("workload,batches,targets", [
     ("digits", "32,64", "0.2,0.3,0.4"), ("shapes", "32,64", "0.13,0.15,0.2"),
     ("markov_text", "16,32", "3.9,3.8,3.7")])

@@ -513,3 +513,39 @@ def test_an_optimizer_collected_on_its_own_undo_thread_is_closed(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cannot join current thread" not in done.stderr, done.stderr[-2000:]
     assert not os.listdir(tmp_path), "the swap folder was left behind"
+
+
+def test_the_fingerprint_sees_one_changed_value_at_any_width():
+    from hvd_adapt.optim.swap_undo import fingerprint
+    data = torch.arange(4103, dtype=torch.uint8)        # sums of 8-, 4-, 2- and 1-byte words
+    for nbytes in (4096, 4100, 4102, 4103):
+        before = fingerprint(data, 0, nbytes)
+        assert fingerprint(data.clone(), 0, nbytes) == before
+        edited = data.clone()
+        edited[nbytes - 1] += 1
+        assert fingerprint(edited, 0, nbytes) != before, nbytes
+
+
+def test_the_fingerprint_runs_on_the_calling_thread_alone():
+    # The undo thread takes a fingerprint of every copy while the micro-steps use every
+    # core: torch's sum would start an OpenMP team of its own on that thread, workers that
+    # spin on the cores the backward uses.
+    from hvd_adapt.optim.swap_undo import fingerprint
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: no team to start")
+    data = torch.ones(64 << 20, dtype=torch.uint8)
+    taken, release = threading.Event(), threading.Event()
+
+    def take():
+        fingerprint(data, 0, data.numel())
+        taken.set()
+        release.wait()
+
+    before = len(os.listdir("/proc/self/task"))
+    thread = threading.Thread(target=take)
+    thread.start()
+    taken.wait()
+    during = len(os.listdir("/proc/self/task"))
+    release.set()
+    thread.join()
+    assert during == before + 1

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 
+import numpy
 import torch
 
 from .swap_io import SwapError, aligned, submit
@@ -192,11 +193,13 @@ def fingerprint(data, offset, nbytes):
     as the widest integers that divide them, wrapping at 64 bits: any edit of the values
     changes it but a permutation of equal words (or an edit that sums to 0 mod 2**64). A
     pass over the bytes at memory speed, no copy."""
-    data = data[offset:offset + nbytes]
-    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+    # numpy's sum runs on the calling thread alone: torch's would start an OpenMP team of
+    # its own on the undo thread, whose spinning workers take the cores the micro-steps use.
+    data = data[offset:offset + nbytes].numpy()
+    for dtype in (numpy.uint64, numpy.uint32, numpy.uint16, numpy.uint8):
+        width = numpy.dtype(dtype).itemsize
         if nbytes % width == 0:
-            return int(data.view(dtype).sum(dtype=torch.int64))
-    return int(data.sum(dtype=torch.int64))
+            return int(data.view(dtype).sum(dtype=numpy.uint64))
 
 
 def _copy(target, values):
