@@ -377,9 +377,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
     def _scaled_step(self, closure):
         controller = self._controller
         if controller is None:
+            # Counted once the step is taken: a refused or failed one (a full disk) is not.
+            result = self._inner_step(closure)
             self.gns.progress += 1.0
             self.gns.steps += 1
-            return self._inner_step(closure)
+            return result
         batch_size, init_batch_size = controller.batch_size, controller.init_batch_size
         groups = self.param_groups
         factors = self.scaling_rule.lr_factors(self.gns, batch_size, init_batch_size, len(groups))

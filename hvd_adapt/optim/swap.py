@@ -108,6 +108,9 @@ class SwappedState:
         self._generation = 0
         self._layouts = {}          # generation -> its Layout
         self._referenced = {}       # generation -> count of references (live, commits)
+        # generation -> a read descriptor held while it is referenced: its state stays
+        # readable (a state dict, a checkpoint) if a cleaner removes the folder's files.
+        self._held = {}
         self._incoming = None       # a sync's layout, adopted before its broadcast
         self._broken = None         # why the parameters are half-stepped (until a restore)
         self._spare = False         # whether SPARE is in the folder
@@ -119,7 +122,8 @@ class SwappedState:
         # Not atexit.register(self.close): that would keep a deleted optimizer, its
         # parameters and the pool alive until exit. The finalizer holds only what it frees.
         self._finalizer = weakref.finalize(self, _close, self._ahead, self._pool, self._io,
-                                           self.root, self._root_fd, directory, os.getpid())
+                                           self._held, self.root, self._root_fd, directory,
+                                           os.getpid())
         state_bytes = sum(self._whole_bytes(p) for p in params)
         log.info("optimizer state on disk in %s: about %.2f GB, %d buffers of %.1f MiB%s",
                  self.root, state_bytes / 1e9, BUFFERS, self.buffer_bytes / 2 ** 20,
@@ -211,16 +215,24 @@ class SwappedState:
         generation = self._generation
         name = self._name(generation)
         fd, spare = None, self._spare
-        if self._spare:
-            self._spare = False
-            try:
-                os.rename(SPARE, name, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
-                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             dir_fd=self._root_fd)
-            except FileNotFoundError:
-                spare = False   # removed by hand: a new file, then
-        if fd is None:
-            fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
+        try:
+            if self._spare:
+                self._spare = False
+                try:
+                    os.rename(SPARE, name, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+                    fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 dir_fd=self._root_fd)
+                except FileNotFoundError:
+                    spare = False   # removed by hand: a new file, then
+            if fd is None:
+                fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self._root_fd)
+        except OSError as e:
+            gone = " (the folder was removed; the live state is still readable: save a " \
+                "checkpoint and go on with a swap_dir that is there)" \
+                if os.fstat(self._root_fd).st_nlink == 0 else ""
+            raise SwapError(e.errno, f"cannot create {os.path.join(self.root, name)}{gone}: "
+                            f"{os.strerror(e.errno)} (errno "
+                            f"{errno.errorcode.get(e.errno, e.errno)})") from e
         out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
         if spare:
             self._recycled.add(generation)
@@ -241,8 +253,14 @@ class SwappedState:
             self._unlink(generation)
 
     def _open(self, generation):
+        """``generation``'s file for reading, through the descriptor held on it where there
+        is one (a file description of its own: its O_DIRECT flag is its own)."""
         name = self._name(generation)
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+        held = self._held.get(generation)
+        if held is not None:
+            fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
         return SwapFile(fd, os.path.join(self.root, name), self._o_direct)
 
     def _unlink(self, generation):
@@ -250,6 +268,16 @@ class SwappedState:
             os.unlink(self._name(generation), dir_fd=self._root_fd)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            # After the generation that replaces it is live: only disk space is at stake.
+            self._kept_behind(generation, "remove", e)
+
+    def _kept_behind(self, generation, verb, e):
+        """A generation no one uses that could not be removed or recycled (the folder made
+        read-only or immutable, EROFS after I/O errors): it stays as it is; a step that
+        needs a new file says why it cannot make one."""
+        log.warning("hvd_adapt swap: cannot %s %s, no longer used: %s; it stays there",
+                    verb, os.path.join(self.root, self._name(generation)), os.strerror(e.errno))
 
     def _retire(self, generation):
         """``generation``'s file is no one's: it becomes the spare (the next generation's
@@ -267,10 +295,22 @@ class SwappedState:
             self._spare = True
         except FileNotFoundError:
             pass
+        except OSError as e:
+            self._kept_behind(generation, "recycle", e)
 
     def _hold(self, generation):
-        if generation is not None:
-            self._referenced[generation] = self._referenced.get(generation, 0) + 1
+        if generation is None:
+            return
+        if generation not in self._referenced:
+            try:
+                self._held[generation] = os.open(
+                    self._name(generation), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=self._root_fd)
+            except OSError as e:
+                # Read by name then: a file gone fails where it is read, with its name.
+                log.warning("hvd_adapt swap: cannot hold %s open: %s", self._name(generation),
+                            os.strerror(e.errno))
+        self._referenced[generation] = self._referenced.get(generation, 0) + 1
 
     def _drop(self, generation):
         if generation is None:
@@ -279,16 +319,19 @@ class SwappedState:
         if self._referenced[generation] == 0:
             del self._referenced[generation]
             del self._layouts[generation]
+            held = self._held.pop(generation, None)
+            if held is not None:
+                os.close(held)
             self._retire(generation)
 
     def _set_live(self, generation, layout=None):
         if layout is not None:
             self._layouts[generation] = layout
         self._hold(generation)
-        self._drop(self.live)
-        self.live = generation
+        old, self.live = self.live, generation
         self._broken = None
         self._next_plan = None
+        self._drop(old)
 
     def layout(self, generation=None):
         """The :class:`Layout` of ``generation`` (default: live); None without state."""
@@ -311,6 +354,10 @@ class SwappedState:
         ahead = self._ahead.take()
         if self._broken is not None:
             raise SwapError(errno.EIO, self._broken)
+        # Reading torch's defaultdict (``opt.state[p]`` in a logger) leaves an empty entry
+        # behind: no state, nothing to keep.
+        for p in [p for p, held in self.optimizer.state.items() if not held]:
+            del self.optimizer.state[p]
         if self.optimizer.state:
             raise RuntimeError(
                 "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
@@ -350,13 +397,13 @@ class SwappedState:
         layout = Layout(specs)
         chunks, end = plan_pieces(layout, self._groups_of, self._splittable, self.buffer_bytes,
                                   self._describe)
-        message, out = None, None
+        message, out, code = None, None, errno.EIO    # code: this rank's, where it failed
         try:
             generation, out = self._create(end)
         except OSError as e:
             # Any (a SwapError, or the spare replaced by a symlink: ELOOP): said in the
             # agreement, or the other ranks would wait in it.
-            message = str(e)
+            message, code = str(e), e.errno or errno.EIO
         try:
             failures = agree(message, "reserved")
         except BaseException:
@@ -368,8 +415,8 @@ class SwappedState:
         if failures:
             if out is not None:
                 self._discard(generation, out)
-            raise SwapError(errno.ENOSPC, "the optimizer step was not taken (parameters and "
-                            "state unchanged): " + "; ".join(failures))
+            raise SwapError(code, "the optimizer step was not taken (parameters and state "
+                            "unchanged): " + "; ".join(failures))
         intervals, waits = [], []
         source = runner = None
         signature = plan_signature(chunks, end)
@@ -385,8 +432,15 @@ class SwappedState:
                 error = e
             # Every rank takes part, whatever happened here: a rank that raised without
             # it would leave the others waiting in this collective.
-            failures = agree(None if error is None else f"{type(error).__name__}: {error}",
-                             "stepped")
+            try:
+                failures = agree(None if error is None else f"{type(error).__name__}: {error}",
+                                 "stepped")
+            except BaseException:
+                # The agreement itself failed (a peer lost, Ctrl-C while waiting in it):
+                # the new state is never made live, so neither are the parameters' steps.
+                if error is None:
+                    runner.undo(chunks)
+                raise
             if error is None and failures:
                 # Another rank failed: this one's step, complete on disk, is undone too.
                 error = SwapError(errno.EIO, "the optimizer step was not taken on any rank "
@@ -472,13 +526,12 @@ class SwappedState:
         layout = self._layouts[generation]
         if layout.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        fd = os.open(self._name(generation), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=self._root_fd)
+        file = self._open(generation)
         try:
-            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=layout.nbytes,
+            return torch.from_file(f"/proc/self/fd/{file.fd}", shared=False, size=layout.nbytes,
                                    dtype=torch.uint8)
         finally:
-            os.close(fd)
+            file.close()
 
     # -- commits, restores, checkpoints, syncs ---------------------------------------------
     def commit(self):
@@ -986,13 +1039,16 @@ class _StepRun:
                 "non-elementwise state: the optimizer does not step it elementwise")
 
 
-def _close(ahead, pool, io, root, root_fd, directory, owner):
+def _close(ahead, pool, io, held, root, root_fd, directory, owner):
     if os.getpid() != owner:
         # A forked child that exits normally runs finalizers too: the folder is its parent's.
         return
     ahead.take()        # its thread uses the pool and the I/O threads
     io.shutdown(wait=True)
     pool.release()
+    for fd in held.values():
+        os.close(fd)
+    held.clear()
     shutil.rmtree(root, ignore_errors=True)
     os.close(root_fd)
     # A worker Horovod removed from the job ends without its clean-up: the last to leave
