@@ -2,6 +2,7 @@
 as with the state in memory, commits, restores and checkpoints without loading it all, and
 clear errors about where it goes."""
 import os
+import re
 import stat
 import tempfile
 import time
@@ -147,9 +148,19 @@ def test_where_the_state_cannot_go_is_named(tmp_path, monkeypatch):
         make("adamw", str(tmp_path / "swap"))
 
 
-def test_a_buffer_too_small_for_one_parameter_says_how_large_it_must_be(tmp_path):
-    with pytest.raises(ValueError, match="pass swap_buffer_mb >="):
-        make("adamw", str(tmp_path), buffer_mb=0.001)
+@pytest.mark.parametrize("size", [8, 4096 + 8])      # elements: less than, more than a piece
+def test_a_buffer_too_small_for_one_parameter_says_how_large_it_must_be(tmp_path, size):
+    def build(buffer_mb):
+        return DistributedOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(size))]),
+                                    swap_dir=str(tmp_path), swap_buffer_mb=buffer_mb)
+    with pytest.raises(ValueError, match="pass swap_buffer_mb >=") as refused:
+        build(0.001)
+    # What it says is enough, and not more than the parameter whole takes (a small one's
+    # smallest piece, each tensor block-aligned, is larger than all of it).
+    said = float(re.search(r"takes ([0-9.]+) MiB.*>= ([0-9.]+)", str(refused.value))[2])
+    whole = float(re.search(r"takes ([0-9.]+) MiB", str(refused.value))[1])
+    assert said <= whole, str(refused.value)
+    build(said)             # constructs: every parameter fits a buffer
 
 
 # -- issue 33: the state on disk never corrupts ------------------------------------------
@@ -866,7 +877,7 @@ def test_sparse_gradients_are_stepped_whole_or_refused_before_anything_moves(tmp
     small = DistributedOptimizer(inner, swap_dir=str(tmp_path / "small"), swap_buffer_mb=0.0625)
     before = model[0].weight.detach().clone()
     with pytest.raises(ValueError, match=r"its gradient is sparse, so it is stepped whole: "
-                                         r"pass swap_buffer_mb >= 0\.62"):
+                                         r"pass swap_buffer_mb >= 0\.63"):
         step(model, small, 0)
     assert torch.equal(before, model[0].weight)
     pairs = pair(build, str(tmp_path / "large"), buffer_mb=0.75)

@@ -10,6 +10,8 @@ alignment they vectorise on). That is exact only where the optimizer's update is
 elementwise, which the probe checks by stepping a tensor whole and in two halves and
 comparing the bits; an optimizer that fails the check keeps each parameter whole.
 """
+import math
+
 import torch
 
 from .swap_io import BLOCK, aligned
@@ -200,6 +202,11 @@ class Piece:
         return f"parameter of shape {tuple(self.param.shape)}{where}"
 
 
+def _mib_up(nbytes):
+    """``nbytes`` in MiB, two decimals, rounded up: a size said is a size that suffices."""
+    return f"{math.ceil(nbytes / 2 ** 20 * 100) / 100:.2f}"
+
+
 def piece_bytes(tensors, numel, param):
     """Buffer bytes of a piece of ``numel`` elements of ``param`` with state ``tensors``, and
     the piece's parameter values before the step (its undo copy)."""
@@ -226,14 +233,16 @@ def plan_pieces(layout, group_of, splittable, buffer_bytes, describe):
         else:
             per = _piece_elements(tensors, param, buffer_bytes) if splittable(param) else 0
             if per == 0:
+                # The smallest buffer that takes it: whole, or its smallest piece (each
+                # tensor block-aligned: for a small parameter more than whole).
                 need = whole if not splittable(param) else \
-                    piece_bytes(tensors, PIECE_ELEMENTS, param)
+                    min(whole, piece_bytes(tensors, PIECE_ELEMENTS, param))
                 raise ValueError(
                     f"swap_dir: the optimizer state of {describe(param)}, with the undo copy "
-                    f"of its values, takes {whole / 2 ** 20:.2f} MiB"
+                    f"of its values, takes {_mib_up(whole)} MiB"
                     + ("" if splittable(param) else f", and {_whole_because(param)}, so "
                        "it is stepped whole")
-                    + f": pass swap_buffer_mb >= {need / 2 ** 20:.2f}")
+                    + f": pass swap_buffer_mb >= {_mib_up(need)}")
             ranges = [(start, min(start + per, param.numel()))
                       for start in range(0, param.numel(), per)]
         for i, (start, stop) in enumerate(ranges):
