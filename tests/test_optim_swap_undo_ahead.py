@@ -549,3 +549,33 @@ def test_the_fingerprint_runs_on_the_calling_thread_alone():
     release.set()
     thread.join()
     assert during == before + 1
+
+
+def test_a_strided_parameter_is_copied_ahead_on_the_undo_thread_alone(tmp_path):
+    # A channels_last convolution's weight is not contiguous: its copy must not start an
+    # OpenMP team on the undo thread either (torch's copy_ would), and must be exact, as
+    # a failed step that puts it back from the copy written ahead shows.
+    from hvd_adapt.optim import swap_undo
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: no team to start")
+    weight = torch.randn(64, 64, 3, 3).to(memory_format=torch.channels_last)
+    assert not weight.is_contiguous()
+    target = torch.empty(weight.shape, dtype=torch.bfloat16)
+    values = weight.to(torch.bfloat16)             # numpy has no bfloat16: copied as bits
+    assert not values.is_contiguous()
+    done, release = threading.Event(), threading.Event()
+
+    def copy():
+        swap_undo._copy(target, values)
+        done.set()
+        release.wait()
+
+    before = len(os.listdir("/proc/self/task"))
+    thread = threading.Thread(target=copy)
+    thread.start()
+    done.wait()
+    during = len(os.listdir("/proc/self/task"))
+    release.set()
+    thread.join()
+    assert torch.equal(target, values)
+    assert during == before + 1

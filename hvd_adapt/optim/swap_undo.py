@@ -202,14 +202,23 @@ def fingerprint(data, offset, nbytes):
             return int(data.view(dtype).sum(dtype=numpy.uint64))
 
 
+# Integers as wide as a dtype: numpy copies any dtype's bits through them (it has no bfloat16).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _copy(target, values):
-    if values.is_cuda or not values.is_contiguous():
+    """Copy ``values`` into ``target`` (contiguous) on this thread alone, without the GIL:
+    torch's ``copy_`` would start an OpenMP team of its own on the undo thread, as many
+    threads as the micro-steps' on the same cores."""
+    bits = _BITS.get(values.element_size())
+    if values.is_cuda or bits is None:
         target.copy_(values, non_blocking=True)
-    else:
-        # One thread, without the GIL: torch's copy_ would start an OpenMP team of its own
-        # in this thread, as many threads as the micro-steps' on the same cores.
+    elif values.is_contiguous():
         ctypes.memmove(target.data_ptr(), values.data_ptr(),
                        values.numel() * values.element_size())
+    else:
+        # A strided parameter (a channels_last convolution's weight): numpy's strided copy.
+        numpy.copyto(target.view(bits).numpy(), values.view(bits).numpy())
 
 
 def _copy_piece(buffer, offset, piece):
