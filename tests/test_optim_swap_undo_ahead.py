@@ -526,6 +526,26 @@ def test_the_fingerprint_sees_one_changed_value_at_any_width():
         assert fingerprint(edited, 0, nbytes) != before, nbytes
 
 
+def threads_started_by(work):
+    """How many threads more than before the process has while ``work`` has run on a thread
+    of its own that still lives (1: that thread alone)."""
+    done, release = threading.Event(), threading.Event()
+
+    def run():
+        work()
+        done.set()
+        release.wait()
+
+    before = len(os.listdir("/proc/self/task"))
+    thread = threading.Thread(target=run)
+    thread.start()
+    done.wait()
+    during = len(os.listdir("/proc/self/task"))
+    release.set()
+    thread.join()
+    return during - before
+
+
 def test_the_fingerprint_runs_on_the_calling_thread_alone():
     # The undo thread takes a fingerprint of every copy while the micro-steps use every
     # core: torch's sum would start an OpenMP team of its own on that thread, workers that
@@ -534,48 +554,18 @@ def test_the_fingerprint_runs_on_the_calling_thread_alone():
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: no team to start")
     data = torch.ones(64 << 20, dtype=torch.uint8)
-    taken, release = threading.Event(), threading.Event()
-
-    def take():
-        fingerprint(data, 0, data.numel())
-        taken.set()
-        release.wait()
-
-    before = len(os.listdir("/proc/self/task"))
-    thread = threading.Thread(target=take)
-    thread.start()
-    taken.wait()
-    during = len(os.listdir("/proc/self/task"))
-    release.set()
-    thread.join()
-    assert during == before + 1
+    assert threads_started_by(lambda: fingerprint(data, 0, data.numel())) == 1
 
 
 def test_a_strided_parameter_is_copied_ahead_on_the_undo_thread_alone(tmp_path):
     # A channels_last convolution's weight is not contiguous: its copy must not start an
-    # OpenMP team on the undo thread either (torch's copy_ would), and must be exact, as
-    # a failed step that puts it back from the copy written ahead shows.
+    # OpenMP team on the undo thread either (torch's copy_ would), and must be exact.
     from hvd_adapt.optim import swap_undo
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: no team to start")
     weight = torch.randn(64, 64, 3, 3).to(memory_format=torch.channels_last)
-    assert not weight.is_contiguous()
     target = torch.empty(weight.shape, dtype=torch.bfloat16)
     values = weight.to(torch.bfloat16)             # numpy has no bfloat16: copied as bits
     assert not values.is_contiguous()
-    done, release = threading.Event(), threading.Event()
-
-    def copy():
-        swap_undo._copy(target, values)
-        done.set()
-        release.wait()
-
-    before = len(os.listdir("/proc/self/task"))
-    thread = threading.Thread(target=copy)
-    thread.start()
-    done.wait()
-    during = len(os.listdir("/proc/self/task"))
-    release.set()
-    thread.join()
+    assert threads_started_by(lambda: swap_undo._copy(target, values)) == 1
     assert torch.equal(target, values)
-    assert during == before + 1

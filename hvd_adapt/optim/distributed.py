@@ -413,10 +413,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                              "a chunk of parameters at a time, and a closure would run per chunk")
         # A full disk on any rank is every rank's error, raised before anything is stepped;
         # a failure part-way on any rank undoes the step on every rank.
-        self._swap.step(agree=lambda message, what: [
-            f"rank {rank}: {m}" for rank, m in enumerate(
-                collective.allgather_object(message, name=f"hvd_adapt.swap.{what}")) if m])
+        self._swap.step(agree=self._swap_agreement)
         return None
+
+    @staticmethod
+    def _swap_agreement(message, what):
+        """Collective: every rank's failure at ``what`` (None where it has none), named."""
+        return [f"rank {rank}: {m}" for rank, m in enumerate(
+            collective.allgather_object(message, name=f"hvd_adapt.swap.{what}")) if m]
 
     def swap_metrics(self):
         """Seconds reading, waiting for reads, writing and stepping, and bytes moved, over the
@@ -453,7 +457,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             if not root:
                 self._swap.adopt_layout(layout)
             self._swap.broadcast_chunks(
-                root, lambda data, name: collective.broadcast_bytes(data, 0, name))
+                root, lambda data, name: collective.broadcast_bytes(data, 0, name),
+                agree=self._swap_agreement)
         self.discard_accumulation()
         self._synced = True
 

@@ -21,8 +21,10 @@ the generation), a restore switches back to it, and a checkpoint maps its file.
 """
 import concurrent.futures
 import errno
+import functools
 import logging
 import os
+import re
 import shutil
 import time
 import weakref
@@ -110,12 +112,17 @@ class SwappedState:
         self._referenced = {}       # generation -> count of references (live, commits)
         # generation -> a read descriptor held while it is referenced: its state stays
         # readable (a state dict, a checkpoint) if a cleaner removes the folder's files.
-        self._held = {}
+        self._held = _HeldFiles()
+        # Not in forked children (DataLoader workers): there they would keep generations
+        # this process removes allocated on disk for as long as the children live.
+        os.register_at_fork(after_in_child=functools.partial(_forget_in_child,
+                                                             weakref.ref(self._held)))
         self._incoming = None       # a sync's layout, adopted before its broadcast
         self._broken = None         # why the parameters are half-stepped (until a restore)
         self._spare = False         # whether SPARE is in the folder
         self._lent = set()          # generations whose mapped tensors were handed out
         self._recycled = set()      # generations written over the spare
+        self._behind = set()        # generations no one uses that could not be removed yet
         self._next_plan = None      # (chunks, signature): the last step's, the next one's too
         self._ahead = UndoAheadSlot()   # the next step's undo copies being written
         self.stats = SwapStats()
@@ -256,12 +263,18 @@ class SwappedState:
         """``generation``'s file for reading, through the descriptor held on it where there
         is one (a file description of its own: its O_DIRECT flag is its own)."""
         name = self._name(generation)
+        path = os.path.join(self.root, name)
         held = self._held.get(generation)
-        if held is not None:
-            fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)
-        else:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
-        return SwapFile(fd, os.path.join(self.root, name), self._o_direct)
+        try:
+            if held is not None:
+                fd = os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)
+            else:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._root_fd)
+        except OSError as e:
+            raise SwapError(e.errno, f"cannot open {path}: {os.strerror(e.errno)} (errno "
+                            f"{errno.errorcode.get(e.errno, e.errno)})") from e
+        return SwapFile(fd, path, self._o_direct)
 
     def _unlink(self, generation):
         try:
@@ -270,14 +283,20 @@ class SwappedState:
             pass
         except OSError as e:
             # After the generation that replaces it is live: only disk space is at stake.
-            self._kept_behind(generation, "remove", e)
+            if generation not in self._behind:
+                log.warning("hvd_adapt swap: cannot remove %s, no longer used: %s; it stays "
+                            "there until it can be removed",
+                            os.path.join(self.root, self._name(generation)),
+                            os.strerror(e.errno))
+            self._behind.add(generation)
+            return
+        self._behind.discard(generation)
 
-    def _kept_behind(self, generation, verb, e):
-        """A generation no one uses that could not be removed or recycled (the folder made
-        read-only or immutable, EROFS after I/O errors): it stays as it is; a step that
-        needs a new file says why it cannot make one."""
-        log.warning("hvd_adapt swap: cannot %s %s, no longer used: %s; it stays there",
-                    verb, os.path.join(self.root, self._name(generation)), os.strerror(e.errno))
+    def _remove_behind(self):
+        """Remove the generations kept behind (see :meth:`_unlink`), now that the folder may
+        take it again: a folder read-only for a while leaves nothing for good."""
+        for generation in sorted(self._behind):
+            self._unlink(generation)
 
     def _retire(self, generation):
         """``generation``'s file is no one's: it becomes the spare (the next generation's
@@ -295,17 +314,24 @@ class SwappedState:
             self._spare = True
         except FileNotFoundError:
             pass
-        except OSError as e:
-            self._kept_behind(generation, "recycle", e)
+        except OSError:
+            # The spare's name refused (an immutable spare.bin): no spare, then.
+            self._unlink(generation)
 
-    def _hold(self, generation):
+    def _hold(self, generation, file=None):
+        """One more reference to ``generation``; the first holds a read descriptor on it:
+        reopened through ``file``, the one it was written through (also where its name is
+        gone already; read-only, so a file system can still be remounted read-only), else
+        opened by name."""
         if generation is None:
             return
         if generation not in self._referenced:
             try:
                 self._held[generation] = os.open(
-                    self._name(generation), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=self._root_fd)
+                    f"/proc/self/fd/{file.fd}", os.O_RDONLY | os.O_CLOEXEC) \
+                    if file is not None else os.open(
+                        self._name(generation), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=self._root_fd)
             except OSError as e:
                 # Read by name then: a file gone fails where it is read, with its name.
                 log.warning("hvd_adapt swap: cannot hold %s open: %s", self._name(generation),
@@ -324,14 +350,16 @@ class SwappedState:
                 os.close(held)
             self._retire(generation)
 
-    def _set_live(self, generation, layout=None):
+    def _set_live(self, generation, layout=None, file=None):
+        """Make ``generation`` live (``file``: the new one's, still open)."""
         if layout is not None:
             self._layouts[generation] = layout
-        self._hold(generation)
+        self._hold(generation, file)
         old, self.live = self.live, generation
         self._broken = None
         self._next_plan = None
         self._drop(old)
+        self._remove_behind()
 
     def layout(self, generation=None):
         """The :class:`Layout` of ``generation`` (default: live); None without state."""
@@ -397,7 +425,7 @@ class SwappedState:
         layout = Layout(specs)
         chunks, end = plan_pieces(layout, self._groups_of, self._splittable, self.buffer_bytes,
                                   self._describe)
-        message, out, code = None, None, errno.EIO    # code: this rank's, where it failed
+        message, out, code = None, None, None   # code: this rank's errno, where it failed
         try:
             generation, out = self._create(end)
         except OSError as e:
@@ -415,7 +443,8 @@ class SwappedState:
         if failures:
             if out is not None:
                 self._discard(generation, out)
-            raise SwapError(code, "the optimizer step was not taken (parameters and state "
+            raise SwapError(code or _first_errno(failures),
+                            "the optimizer step was not taken (parameters and state "
                             "unchanged): " + "; ".join(failures))
         intervals, waits = [], []
         source = runner = None
@@ -454,14 +483,24 @@ class SwappedState:
                 self._broken = str(e)
                 log.error("%s", self._broken)
                 raise SwapError(errno.EIO, self._broken) from e.__cause__
+            if runner is not None and runner.putting_back:
+                # Interrupted (a second Ctrl-C) while the parameters were put back.
+                self._broken = (f"a swapped optimizer step was interrupted ({type(e).__name__}) "
+                                "while its parameters were put back: the state of the last "
+                                "good generation is kept, but parameters moved: restore a "
+                                "commit (State.restore()) or load a checkpoint before "
+                                "stepping again")
+                log.error("%s", self._broken)
             raise
         finally:
             if runner is not None:
                 runner.release()
             if source is not None:
                 source.close()
-        out.close()
-        self._set_live(generation, layout)
+        try:
+            self._set_live(generation, layout, out)
+        finally:
+            out.close()
         for chunk in chunks:
             for piece in chunk:
                 piece.tensor = None     # the step's views (and gradients) are not kept
@@ -530,6 +569,13 @@ class SwappedState:
         try:
             return torch.from_file(f"/proc/self/fd/{file.fd}", shared=False, size=layout.nbytes,
                                    dtype=torch.uint8)
+        except RuntimeError as e:
+            # torch names the /proc path it opened, and the errno at the end: "... in
+            # read-only mode: Too many open files (24)".
+            found = re.search(r"\((\d+)\)\s*$", str(e))
+            code = int(found[1]) if found else errno.EIO
+            raise SwapError(code, f"cannot map {file.name}: {os.strerror(code)} (errno "
+                            f"{errno.errorcode.get(code, code)})") from e
         finally:
             file.close()
 
@@ -622,9 +668,13 @@ class SwappedState:
         """Take root's live layout (from :meth:`layout_dump`) before a broadcast."""
         self._incoming = None if dump is None else Layout.load(dump, self._params())
 
-    def broadcast_chunks(self, root, broadcast_bytes):
+    def broadcast_chunks(self, root, broadcast_bytes, agree=None):
         """Collective: every rank's live state becomes ``root``'s, a buffer at a time
-        (``broadcast_bytes(data, name)`` sends bytes from the root)."""
+        (``broadcast_bytes(data, name)`` sends bytes from the root). ``agree`` as for
+        :meth:`step`: a rank that cannot make its new file, or read or write a region, says
+        so and still takes part in every broadcast, so no rank waits for one that left;
+        then every rank raises and keeps its state as it was."""
+        agree = agree or (lambda message, what: [message] if message else [])
         self._ahead.take()
         layout = self.layout() if root else self._incoming
         self._incoming = None
@@ -634,31 +684,56 @@ class SwappedState:
                 self.live = None
             self._broken = None
             return
-        generation, out = self._create(layout.nbytes)
-        source = self._open(self.live) if root else None
-        buffer = self._pool.take()
+        generation = out = source = error = None
         try:
-            # The layouts are alike: so are the files, region by region.
-            for start in range(0, layout.nbytes, self.buffer_bytes):
-                size = min(self.buffer_bytes, layout.nbytes - start)
-                data = None
-                if root:
-                    source.read(buffer.memory(0, size), start)
-                    data = bytes(buffer.memory(0, size))
-                data = broadcast_bytes(data, f"hvd_adapt.swap.region{start // self.buffer_bytes}")
-                if not root:
-                    buffer.bytes[:size].copy_(torch.frombuffer(bytearray(data),
-                                                               dtype=torch.uint8))
-                out.write(buffer.memory(0, size), start)
+            generation, out = self._create(layout.nbytes)
+            source = self._open(self.live) if root else None
+        except OSError as e:
+            error = e
+        buffer = None
+        try:
+            failures = agree(None if error is None else str(error), "sync-reserved")
+            if not failures:
+                buffer = self._pool.take()
+                # The layouts are alike: so are the files, region by region.
+                for start in range(0, layout.nbytes, self.buffer_bytes):
+                    size = min(self.buffer_bytes, layout.nbytes - start)
+                    data = None
+                    if root:
+                        if error is None:
+                            try:
+                                source.read(buffer.memory(0, size), start)
+                            except OSError as e:
+                                error = e
+                        data = bytes(buffer.memory(0, size))
+                    data = broadcast_bytes(data,
+                                           f"hvd_adapt.swap.region{start // self.buffer_bytes}")
+                    if error is None:
+                        if not root:
+                            buffer.bytes[:size].copy_(torch.frombuffer(bytearray(data),
+                                                                       dtype=torch.uint8))
+                        try:
+                            out.write(buffer.memory(0, size), start)
+                        except OSError as e:
+                            error = e
+                failures = agree(None if error is None else str(error), "sync-written")
+            if failures:
+                code = getattr(error, "errno", None) or _first_errno(failures)
+                raise SwapError(code, "the optimizer state was not synced (the state is as "
+                                "it was): " + "; ".join(failures))
         except BaseException:
-            self._discard(generation, out)
+            if out is not None:
+                self._discard(generation, out)
             raise
         finally:
-            self._pool.give_back(buffer)
+            if buffer is not None:
+                self._pool.give_back(buffer)
             if source is not None:
                 source.close()
-        out.close()
-        self._set_live(generation, layout)
+        try:
+            self._set_live(generation, layout, out)
+        finally:
+            out.close()
 
     def _write_all(self, layout, fill):
         """A new live generation of ``layout``, each entry written a request at a time with
@@ -681,8 +756,10 @@ class SwappedState:
         except BaseException:
             self._discard(generation, out)
             raise
-        out.close()
-        self._set_live(generation, layout)
+        try:
+            self._set_live(generation, layout, out)
+        finally:
+            out.close()
 
     def move_bytes(self, write):
         """Move the live generation's size through the pool as :meth:`load` moves it: read
@@ -776,6 +853,7 @@ class _StepRun:
         self.first_state = {}       # param -> its first piece's non-elementwise state
         self.buffers = []           # taken by run(), given back by release()
         self.held = {}              # chunk index -> the buffer still holding its undo copy
+        self.putting_back = False   # undo() under way, or interrupted part-way
 
     def run(self, chunks):
         """Step every chunk. On an error, the parameters of the chunks already stepped get
@@ -866,6 +944,7 @@ class _StepRun:
         generation's undo area, where its write (or the copies written ahead) put it.
         Raises :class:`_UndoFailed` where that read fails (the parameters are then
         half-stepped)."""
+        self.putting_back = True    # until every chunk is back: an interrupt leaves it set
         held = self.held
         for i, buffer in held.items():
             if i < self.applied:
@@ -889,6 +968,7 @@ class _StepRun:
                     "restore a commit (State.restore()) or load a checkpoint before "
                     "stepping again") from e
             self._put_back(chunks[i], scratch)
+        self.putting_back = False
 
     @staticmethod
     def _put_back(chunk, buffer):
@@ -1037,6 +1117,30 @@ class _StepRun:
             raise RuntimeError(
                 f"hvd_adapt swap: the pieces of {piece.label()} disagree on their "
                 "non-elementwise state: the optimizer does not step it elementwise")
+
+
+class _HeldFiles(dict):
+    """generation -> descriptor (a dict that a fork handler can refer to weakly)."""
+
+
+def _forget_in_child(held):
+    """After a fork, in the child: close the descriptors the parent holds on its
+    generations (``held``: a weak reference to its :class:`_HeldFiles`)."""
+    held = held()
+    if held:
+        for fd in held.values():
+            os.close(fd)
+        held.clear()
+
+
+def _first_errno(failures):
+    """The errno the first of the ranks' ``failures`` names (``(errno ENAME)``, as every
+    :class:`SwapError` says it), so that every rank raises alike; EIO where none does."""
+    for failure in failures:
+        found = re.search(r"\(errno (E[A-Z0-9]+)\)", failure)
+        if found and hasattr(errno, found[1]):
+            return getattr(errno, found[1])
+    return errno.EIO
 
 
 def _close(ahead, pool, io, held, root, root_fd, directory, owner):

@@ -124,3 +124,47 @@ def test_an_elastic_resize_2_1_2_with_the_state_on_disk_is_bitwise_the_job_in_me
     assert sorted(swapped) == sorted(memory)
     for key in sorted(memory):
         assert swapped[key] == memory[key], key
+
+
+def test_one_ranks_swap_folder_removed_fails_the_step_alike_and_a_restore_goes_on(tmp_path):
+    # "A removed folder fails the next step with ENOENT naming it": at two ranks,
+    # only rank 1's folder removed. Both ranks must refuse that step alike (parameters and
+    # state unchanged, no hang), still hand out their state, and restore to a commit.
+    reports = run_ranks("swap_removed.py", np=2, args=[tmp_path]).check().reports
+    for rank in (0, 1):
+        seen = reports[rank]
+        assert seen["before_as_reference"], rank
+        assert seen["step_error"] and "No such file or directory" in seen["step_error"], \
+            (rank, seen["step_error"])
+        assert "rank 1: " in seen["step_error"], (rank, seen["step_error"])
+        assert seen["state_dict_error"] is None, (rank, seen["state_dict_error"])
+        assert seen["unchanged"], rank
+        assert seen["restore_error"] is None, (rank, seen["restore_error"])
+        assert seen["restored_as_reference"], rank
+        assert seen["restored_unchanged"], rank
+    assert (reports[0]["step_after_restore_error"] is None) == \
+        (reports[1]["step_after_restore_error"] is None), "the ranks went apart after a restore"
+
+
+def test_one_ranks_swap_folder_removed_raises_the_same_errno_on_every_rank(tmp_path):
+    # "Both ranks fail the step alike": today rank 1 (its folder gone) raises errno ENOENT
+    # and rank 0 errno EIO for the same refused step. A handler that branches on e.errno
+    # (retry on EIO, stop on ENOENT) then takes different paths on the two ranks: the
+    # one that retries waits in the step's collective for the one that stopped.
+    reports = run_ranks("swap_removed.py", np=2, args=[tmp_path]).check().reports
+    errors = [reports[rank]["step_error"].split("] ")[0] for rank in (0, 1)]
+    assert errors[0] == errors[1], errors
+
+
+def test_one_ranks_swap_folder_removed_fails_a_sync_on_every_rank_alike(tmp_path):
+    # A sync (an elastic reset) writes a new generation on every rank, a region broadcast
+    # at a time; its file is created with no agreement first (SwappedState.broadcast_chunks),
+    # unlike a step's. Rank 1 cannot create it (its folder removed; a full disk alike) and
+    # raises at once; rank 0 goes on into the broadcast of the first region and waits there
+    # for a rank that left it (today it gets out only if rank 1 exits: "Horovod has been shut
+    # down"). Both must fail the sync alike (as a step) and meet in the next collective;
+    # today the job times out there.
+    job = run_ranks("swap_removed.py", np=2, args=[tmp_path, "sync"], timeout=60)
+    reports = job.check().reports
+    errors = [reports[rank]["sync_error"] for rank in (0, 1)]
+    assert all(error and error.startswith("sync: SwapError") for error in errors), errors
