@@ -33,7 +33,7 @@ import torch
 
 from .._runtime.private_files import create_exclusive, new_locked_folder, \
     remove_unlocked_folders
-from .swap_io import IO_BYTES, BufferPool, SwapError, SwapFile, aligned, submit
+from .swap_io import IO_BYTES, BufferPool, SwapError, SwapFile, aligned, failure, submit
 from .swap_layout import Layout, plan_pieces, plan_signature, probe_makeup, segments
 from .swap_undo import UndoAhead, UndoAheadSlot, fingerprint
 
@@ -237,9 +237,7 @@ class SwappedState:
             gone = " (the folder was removed; the live state is still readable: save a " \
                 "checkpoint and go on with a swap_dir that is there)" \
                 if os.fstat(self._root_fd).st_nlink == 0 else ""
-            raise SwapError(e.errno, f"cannot create {os.path.join(self.root, name)}{gone}: "
-                            f"{os.strerror(e.errno)} (errno "
-                            f"{errno.errorcode.get(e.errno, e.errno)})") from e
+            raise failure(e.errno, f"cannot create {os.path.join(self.root, name)}{gone}") from e
         out = SwapFile(fd, os.path.join(self.root, name), self._o_direct)
         if spare:
             self._recycled.add(generation)
@@ -272,8 +270,7 @@ class SwappedState:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                              dir_fd=self._root_fd)
         except OSError as e:
-            raise SwapError(e.errno, f"cannot open {path}: {os.strerror(e.errno)} (errno "
-                            f"{errno.errorcode.get(e.errno, e.errno)})") from e
+            raise failure(e.errno, f"cannot open {path}") from e
         return SwapFile(fd, path, self._o_direct)
 
     def _unlink(self, generation):
@@ -391,7 +388,7 @@ class SwappedState:
                 "hvd_adapt swap: the wrapped optimizer holds state in memory between steps "
                 f"({len(self.optimizer.state)} parameter(s)); with swap_dir its state lives on "
                 "disk: load state through DistributedOptimizer.load_state_dict")
-        agreement = agree or (lambda message, what: [message] if message else [])
+        agreement = agree or _alone
 
         def agree(message, what):
             began = time.perf_counter()
@@ -574,8 +571,7 @@ class SwappedState:
             # read-only mode: Too many open files (24)".
             found = re.search(r"\((\d+)\)\s*$", str(e))
             code = int(found[1]) if found else errno.EIO
-            raise SwapError(code, f"cannot map {file.name}: {os.strerror(code)} (errno "
-                            f"{errno.errorcode.get(code, code)})") from e
+            raise failure(code, f"cannot map {file.name}") from e
         finally:
             file.close()
 
@@ -674,7 +670,7 @@ class SwappedState:
         :meth:`step`: a rank that cannot make its new file, or read or write a region, says
         so and still takes part in every broadcast, so no rank waits for one that left;
         then every rank raises and keeps its state as it was."""
-        agree = agree or (lambda message, what: [message] if message else [])
+        agree = agree or _alone
         self._ahead.take()
         layout = self.layout() if root else self._incoming
         self._incoming = None
@@ -1122,20 +1118,28 @@ class _StepRun:
 class _HeldFiles(dict):
     """generation -> descriptor (a dict that a fork handler can refer to weakly)."""
 
+    def close_all(self):
+        for fd in self.values():
+            os.close(fd)
+        self.clear()
+
 
 def _forget_in_child(held):
     """After a fork, in the child: close the descriptors the parent holds on its
     generations (``held``: a weak reference to its :class:`_HeldFiles`)."""
     held = held()
-    if held:
-        for fd in held.values():
-            os.close(fd)
-        held.clear()
+    if held is not None:
+        held.close_all()
+
+
+def _alone(message, what):
+    """The agreement of a single process: its own failure, if any."""
+    return [message] if message else []
 
 
 def _first_errno(failures):
-    """The errno the first of the ranks' ``failures`` names (``(errno ENAME)``, as every
-    :class:`SwapError` says it), so that every rank raises alike; EIO where none does."""
+    """The errno the first of the ranks' ``failures`` names (``(errno ENAME)``, as
+    :func:`swap_io.failure` says it), so that every rank raises alike; EIO where none does."""
     for failure in failures:
         found = re.search(r"\(errno (E[A-Z0-9]+)\)", failure)
         if found and hasattr(errno, found[1]):
@@ -1150,9 +1154,7 @@ def _close(ahead, pool, io, held, root, root_fd, directory, owner):
     ahead.take()        # its thread uses the pool and the I/O threads
     io.shutdown(wait=True)
     pool.release()
-    for fd in held.values():
-        os.close(fd)
-    held.clear()
+    held.close_all()
     shutil.rmtree(root, ignore_errors=True)
     os.close(root_fd)
     # A worker Horovod removed from the job ends without its clean-up: the last to leave

@@ -107,16 +107,14 @@ class SwapFile:
         try:
             os.posix_fallocate(self.fd, 0, nbytes)
         except OSError as e:
-            raise SwapError(e.errno, f"cannot reserve {nbytes} bytes for {self.name}: "
-                            f"{os.strerror(e.errno)} (errno {_code(e.errno)})") from e
+            raise failure(e.errno, f"cannot reserve {nbytes} bytes for {self.name}") from e
 
     def truncate(self, nbytes):
         """Cut the file to ``nbytes``; the blocks past it go back to the file system."""
         try:
             os.ftruncate(self.fd, nbytes)
         except OSError as e:
-            raise SwapError(e.errno, f"cannot cut {self.name} to {nbytes} bytes: "
-                            f"{os.strerror(e.errno)} (errno {_code(e.errno)})") from e
+            raise failure(e.errno, f"cannot cut {self.name} to {nbytes} bytes") from e
 
     def read(self, memory, offset):
         return self._transfer(memory, offset, write=False)
@@ -142,9 +140,8 @@ class SwapFile:
                     _set_direct(self.fd, False)
                     self.direct = False
                     continue
-                raise SwapError(e.errno, f"cannot {verb} {total - done} of {total} bytes at "
-                                f"offset {offset + done} of {self.name}: {os.strerror(e.errno)} "
-                                f"(errno {_code(e.errno)})") from e
+                raise failure(e.errno, f"cannot {verb} {total - done} of {total} bytes at "
+                              f"offset {offset + done} of {self.name}") from e
             if moved == 0:
                 # pwrite of 0 bytes is a full device on some file systems; pread of 0 the end.
                 code = errno.ENOSPC if write else errno.EIO
@@ -218,8 +215,10 @@ class Transfer:
         concurrent.futures.wait(self.futures)
 
 
-def _code(number):
-    return errno.errorcode.get(number, number)
+def failure(code, what):
+    """A :class:`SwapError` of errno ``code`` for ``what`` ("cannot open F"), said as every
+    swap error says it: ``what: <strerror> (errno ENAME)``."""
+    return SwapError(code, f"{what}: {os.strerror(code)} (errno {errno.errorcode.get(code, code)})")
 
 
 def _set_direct(fd, on):
