@@ -12,7 +12,7 @@ import torch
 import hvd_adapt
 from hvd_adapt import State
 from test_optim_swap import assert_same, deep, pair
-from test_optim_swap_folder import step
+from test_optim_swap_folder import started, step
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,11 +58,8 @@ def test_out_of_descriptors_a_step_or_state_dict_fails_naming_the_file(tmp_path)
     # not the swap file, not "the step was not taken", nothing a user can act on; a state
     # dict's map of it raises torch's RuntimeError "unable to open file </proc/self/fd/N>".
     swap_dir = str(tmp_path / "swap")
-    pairs = pair(deep, swap_dir, buffer_mb=36 / 1024)
+    pairs = started(swap_dir)
     (model, opt), (reference, ref_opt) = pairs
-    for seed in range(3):
-        step(model, opt, seed)
-        step(reference, ref_opt, seed)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     problems = []
     taken = False
@@ -104,11 +101,8 @@ def test_the_folder_removed_during_a_step_leaves_the_live_state_readable(tmp_pat
     # state_dict() (the checkpoint the error message asks for) fails with ENOENT.
     import shutil
     swap_dir = tmp_path / "swap"
-    pairs = pair(deep, str(swap_dir), buffer_mb=36 / 1024)
+    pairs = started(swap_dir)
     (model, opt), (reference, ref_opt) = pairs
-    for seed in range(3):
-        step(model, opt, seed)
-        step(reference, ref_opt, seed)
     opt.optimizer.calls = 0
     opt.optimizer.after = {2: lambda: shutil.rmtree(swap_dir)}
     try:

@@ -30,6 +30,21 @@ def step(model, opt, seed):
     opt.step()
 
 
+def started(swap_dir):
+    """The swapped and the in-memory model and optimizer (``pair``), three steps taken alike."""
+    pairs = pair(deep, str(swap_dir), buffer_mb=36 / 1024)
+    for seed in range(3):
+        for model, opt in pairs:
+            step(model, opt, seed)
+    return pairs
+
+
+def only_folder(swap_dir):
+    """The one optimizer folder under ``swap_dir`` (a path)."""
+    [folder] = swap_folders(str(swap_dir))
+    return swap_dir / folder
+
+
 def undo_threads():
     return [t for t in threading.enumerate() if t.name == "hvd_adapt-swap-undo" and t.is_alive()]
 
@@ -141,13 +156,9 @@ def test_a_folder_whose_entries_cannot_be_renamed_never_leaves_a_step_half_taken
     # or not, whole: never parameters moved with an exception raised and the state left at
     # the old generation; and once the folder is writable again training must go on.
     swap_dir = tmp_path / "swap"
-    pairs = pair(deep, str(swap_dir), buffer_mb=36 / 1024)
+    pairs = started(swap_dir)
     (model, opt), (reference, ref_opt) = pairs
-    for seed in range(3):
-        step(model, opt, seed)
-        step(reference, ref_opt, seed)
-    [folder] = swap_folders(str(swap_dir))
-    folder = swap_dir / folder
+    folder = only_folder(swap_dir)
     if when == "spare-between-steps":
         target = folder / "spare.bin"
         chattr("+i", target)
@@ -190,11 +201,8 @@ def mode_changed(when, shared):
     """As a user who is not root, chmod 0500 the optimizer's own folder between two steps
     (``when`` "between-steps") or while a step runs ("during-step"), then 0700 again."""
     swap_dir = os.path.join(shared, "swap")
-    pairs = pair(deep, swap_dir, buffer_mb=36 / 1024)
+    pairs = started(swap_dir)
     (model, opt), (reference, ref_opt) = pairs
-    for seed in range(3):
-        step(model, opt, seed)
-        step(reference, ref_opt, seed)
     [folder] = swap_folders(swap_dir)
     folder = os.path.join(swap_dir, folder)
     if when == "between-steps":

@@ -12,8 +12,8 @@ import torch
 
 import hvd_adapt
 from hvd_adapt import State
-from test_optim_swap import assert_same, deep, mount, pair, swap_folders  # noqa: F401 (mount)
-from test_optim_swap_folder import chattr, step
+from test_optim_swap import assert_same, deep, mount, pair  # noqa: F401 (mount)
+from test_optim_swap_folder import chattr, only_folder, started, step
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,13 +40,9 @@ def test_an_immutable_spare_neither_grows_the_folder_nor_leaves_files_once_mutab
     # is writable, so the replaced generation could be removed; today each step leaves one
     # whole generation behind, untracked, and none of them is ever removed after chattr -i.
     swap_dir = tmp_path / "swap"
-    pairs = pair(deep, str(swap_dir), buffer_mb=36 / 1024)
+    pairs = started(swap_dir)
     (model, opt), (reference, ref_opt) = pairs
-    for seed in range(3):
-        step(model, opt, seed)
-        step(reference, ref_opt, seed)
-    [folder] = swap_folders(str(swap_dir))
-    folder = swap_dir / folder
+    folder = only_folder(swap_dir)
     spare = folder / "spare.bin"
     chattr("+i", spare)
     problems = []
@@ -88,8 +84,7 @@ def test_a_generation_kept_behind_at_a_restore_goes_once_the_folder_is_writable(
     for seed in range(3, 5):
         step(model, opt, seed)
         step(reference, ref_opt, seed)
-    [folder] = swap_folders(str(swap_dir))
-    folder = swap_dir / folder
+    folder = only_folder(swap_dir)
     chattr("+i", folder)
     try:
         state.restore()
@@ -124,8 +119,7 @@ def test_a_file_system_read_only_for_a_while_leaves_no_generation_behind_each_ti
         step(reference, ref_opt, seed)
     state.commit()
     ref_state.commit()
-    [folder] = swap_folders(str(point))
-    folder = point / folder
+    folder = only_folder(point)
     seed = 3
     for _ in range(4):
         step(model, opt, seed)
