@@ -42,7 +42,7 @@ _EXPORTS = {
     "remaining_epochs_until": "hvd_adapt.elastic.epoch",
     "current_epoch": "hvd_adapt.elastic.epoch",
     "init": "hvd_adapt._runtime.env",
-    "probe_max_local_bsz": "hvd_adapt.memory",
+    "probe_max_local_bsz": "hvd_adapt.autoscale.memory",
 }
 # Public modules under a short name: hvd_adapt.env.rank(), hvd_adapt.env.size(), ...
 _MODULES = {"env": "hvd_adapt._runtime.env"}

@@ -90,6 +90,12 @@ class Accumulator(collections.abc.MutableMapping, Participant):
     ``Accumulator({"name": 0})``.
     """
 
+
+    @classmethod
+    def settle(cls, participants):
+        """At a commit and before a resize: every replica's pending updates summed (:func:`flush`)."""
+        flush(participants)
+
     def __init__(self, *args, name=None, **kwargs):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Accumulator name must be a str or None, got {name!r}")

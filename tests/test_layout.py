@@ -105,3 +105,104 @@ def test_horovods_private_names_are_used_in_one_module_only():
             found += [f"{os.path.relpath(path, PACKAGE)}:{number}" for number, line
                       in enumerate(f, 1) if private.search(line.split("#")[0])]
     assert not found, found
+
+
+# -- layers point down ---------------------------------------------------------------------
+# What each room may import from hvd_adapt (anywhere in a module, at its top or inside a
+# function): the plumbing floor (_runtime) knows nothing above it, elastic knows the objects
+# it carries through the Participant protocol only, scheduling reaches only the standard-library
+# helpers of the floor. A room always may import from itself.
+_MAY_IMPORT = {
+    "_checks": set(),
+    "_runtime": {"_checks"},
+    "goodput": {"_runtime"},
+    "scheduling": {"_runtime"},
+    "elastic": {"_checks", "_runtime"},
+    "accumulator": {"_runtime", "elastic"},
+    "autoscale": {"_checks", "_runtime", "goodput", "scheduling"},
+    "data": {"_checks", "_runtime", "autoscale", "elastic"},
+    "optim": {"_checks", "_runtime", "autoscale", "elastic", "goodput"},
+}
+# The standby preloads every public name while it waits for its slot (so that they do not
+# count in the survivors' pause): the one import of the package's root below it.
+_IMPORTS_THE_ROOT = {os.path.join("_runtime", "handover.py")}
+# What scheduling's modules may reach in the floor: standard library only at import.
+_STANDARD_LIBRARY_FLOOR = {"hvd_adapt._runtime.private_files", "hvd_adapt._runtime.parent_death",
+                           "hvd_adapt._runtime.handover"}
+
+
+def _room(relative):
+    first = relative.split(os.sep)[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def imported_modules(path):
+    """Every hvd_adapt module ``path`` imports (absolute names), with the line of each."""
+    relative = os.path.relpath(path, PACKAGE)
+    parts = ["hvd_adapt"] + relative[:-3].split(os.sep)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                if node.module:
+                    yield ".".join(base + [node.module]), node.lineno
+                else:
+                    for alias in node.names:
+                        yield ".".join(base + [alias.name]), node.lineno
+            elif node.module.split(".")[0] == "hvd_adapt":
+                yield node.module, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "hvd_adapt":
+                    yield alias.name, node.lineno
+
+
+def test_layers_point_down():
+    found = []
+    for path in sources():
+        relative = os.path.relpath(path, PACKAGE)
+        room = _room(relative)
+        if room == "__init__":
+            continue
+        allowed = _MAY_IMPORT.get(room, set()) | {room}
+        for module, line in imported_modules(path):
+            if module == "hvd_adapt":
+                if relative not in _IMPORTS_THE_ROOT:
+                    found.append(f"{relative}:{line}: imports the package's root")
+                continue
+            target = module.split(".")[1]
+            if target not in allowed:
+                found.append(f"{relative}:{line}: {room} imports {module}")
+            elif room == "scheduling" and target == "_runtime" \
+                    and module not in _STANDARD_LIBRARY_FLOOR and module != "hvd_adapt._runtime":
+                found.append(f"{relative}:{line}: scheduling imports {module}, which is not "
+                             "standard library only")
+    assert not found, "\n".join(found)
+
+
+def test_every_room_has_a_layer():
+    rooms = {_room(os.path.relpath(path, PACKAGE)) for path in sources()} - {"__init__"}
+    assert rooms == set(_MAY_IMPORT), rooms ^ set(_MAY_IMPORT)
+
+
+def test_scheduling_loads_only_the_standard_library():
+    names = sorted(f"hvd_adapt.scheduling.{name[:-3]}"
+                   for name in os.listdir(os.path.join(PACKAGE, "scheduling"))
+                   if name.endswith(".py") and name != "__init__.py")
+    loaded = loaded_after("\n".join(f"import {name}" for name in names))
+    heavy = [name for name in ("torch", "horovod", "numpy", "scipy", "psutil")
+             if f"'{name}'" in loaded]
+    assert not heavy, (names, heavy)
+
+
+def test_the_layout_document_lists_every_module_and_no_other():
+    """docs/layout.md has one row per module (package ``__init__`` files aside)."""
+    with open(os.path.join(os.path.dirname(PACKAGE), "docs", "layout.md")) as f:
+        listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", f.read(), re.MULTILINE))
+    modules = {os.path.relpath(path, PACKAGE) for path in sources()
+               if os.path.basename(path) != "__init__.py" or os.path.dirname(path) == PACKAGE}
+    assert listed == modules, {"not listed": sorted(modules - listed),
+                               "listed, not in the tree": sorted(listed - modules)}

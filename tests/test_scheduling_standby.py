@@ -20,7 +20,7 @@ WORKER = [sys.executable, "-m", "hvd_adapt.scheduling.standby"]
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from hvd_adapt.scheduling.standby import wait_for_handover
+    from hvd_adapt._runtime.handover import wait_for_handover
     started = time.time()
     pid_file = sys.argv[1]
     wait_for_handover()

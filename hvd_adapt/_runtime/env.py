@@ -12,7 +12,7 @@ import os
 import horovod.torch as hvd
 import torch
 
-from ..scheduling.standby import wait_for_handover
+from .handover import wait_for_handover
 from .blas import cap_loaded_scipy_blas
 from . import watchdog
 from .context import CONTEXT
@@ -37,7 +37,8 @@ def init(comm=None):
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it. In a standby
     worker (``hvd-adapt-worker --standby``, see
-    :mod:`hvd_adapt.scheduling.standby`) it first waits for a slot.
+    :mod:`hvd_adapt.scheduling.standby`) it first waits for a slot
+    (``_runtime/handover.py``).
 
     >>> import hvd_adapt
     >>> hvd_adapt.init()

@@ -168,6 +168,14 @@ def read_own_file(path, limit=16 << 20, others_may_write=False):
     return data
 
 
+def remove_if_present(path):
+    """Remove file ``path``; one already gone is fine (another process was first)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def new_locked_folder(parent, prefix):
     """Create a new folder ``<parent>/<prefix><random>`` (``parent`` may be shared, like
     /tmp: the name is unpredictable and ``mkdir`` never follows a link), mode 0700, and hold

@@ -356,7 +356,7 @@ class AdaptiveDataLoader(Participant):
 
     def to_tensorboard(self, writer, step, tag_prefix="hvd_adapt"):
         """Write batch size, accumulation, gain and throughput to a TensorBoard writer."""
-        from ..tensorboard import write_metrics
+        from .tensorboard import write_metrics
         write_metrics(self.controller.metrics(), writer, step, tag_prefix)
 
     def progress_line(self):

@@ -47,6 +47,13 @@ class Participant:
         self.load_state_dict(collective.broadcast_object(
             self.state_dict(), name=f"hvd_adapt.sync.{type(self).__name__}"))
 
+    @classmethod
+    def settle(cls, participants):
+        """Collective, before a commit saves and before a resize: bring pending work into the
+        state of ``participants`` (every value of this class's kind that the State carries,
+        in the same order on every rank), in one collective for all of them where one is
+        needed. Default: nothing to settle."""
+
     def join(self, peers):
         """Called once by the State with every value it carries, to find collaborators."""
 

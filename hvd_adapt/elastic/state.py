@@ -32,7 +32,6 @@ from .._runtime import collective, env
 from .._runtime import horovod_internals as internals
 from .._runtime.context import CONTEXT
 from .._runtime.threads import share_cpu_threads
-from ..accumulator import Accumulator, flush
 from . import agreement, checkpoint
 from .drain import Drain
 from .epoch import EpochCounter
@@ -121,7 +120,11 @@ class State(TorchState):
         self._participants = [v for v in values if isinstance(v, Participant)]
         for value in self._participants:
             value.join(values)
-        self._accumulators = [v for v in values if isinstance(v, Accumulator)]
+        # Participants settled together at a commit, one group per settle method: one
+        # collective for all the accumulators, say, in the order the State was given them.
+        self._settle_groups = {}
+        for value in self._participants:
+            self._settle_groups.setdefault(type(value).settle.__func__, []).append(value)
         self._resync_pending = False
         self._holds_job = False        # passed a sync: carries the running job's state
         self._skip_next_sync = False   # load_checkpoint synced the world already
@@ -177,8 +180,7 @@ class State(TorchState):
     def _commit(self, raise_host_updates, epoch_end=False):
         if not self.at_optim_boundary():
             return
-        if self._accumulators:
-            flush(self._accumulators)
+        self._settle()
         for handler in internals.handlers(self).values():
             if isinstance(handler, ModelHandler):
                 handler.align()
@@ -195,6 +197,10 @@ class State(TorchState):
             (self._drain or Drain()).stop(self)
         if votes.hosts_updated and raise_host_updates:
             raise HostsUpdatedInterrupt(votes.removed_only)
+
+    def _settle(self):
+        for settle, participants in self._settle_groups.items():
+            settle(type(participants[0]), participants)
 
     def _host_updates(self):
         return internals.take_host_updates(self) if env.is_elastic() else None
@@ -214,8 +220,7 @@ class State(TorchState):
             return
         votes = agreement.vote(False, None, self._host_updates())
         if votes.hosts_updated:
-            if self._accumulators:
-                flush(self._accumulators)
+            self._settle()
             raise HostsUpdatedInterrupt(votes.removed_only)
 
     def save(self):

@@ -8,8 +8,11 @@
 - :mod:`.discover`: ``hvd-adapt-discover``, the host-discovery script that
   wraps any base discovery with the rule;
 - :mod:`.standby`: ``hvd-adapt-worker``, warm standby workers that boot while
-  the job trains and are handed the slot Horovod launches;
-- :mod:`.ready`: the standbys' ready files, which the discovery counts.
+  the job trains and are handed the slot Horovod launches; its two programs:
+  :mod:`.standby_supervisor` (``--standby``) and :mod:`.launch_stub` (a slot);
+- :mod:`.ready`: the standbys' ready files, which the discovery counts;
+- :mod:`.base`: the base discovery's answer (its command run within a deadline);
+- :mod:`.sessions`: the elastic driver's ssh sessions to a host that stopped answering.
 
 Everything here imports the standard library only (no torch, numpy or
 Horovod; a standby imports the library while it boots): Horovod runs the discovery script every second, and each run must

@@ -1,5 +1,5 @@
 """Optional TensorBoard export of what the autoscaling controller decided and measured."""
-from ._runtime import env
+from .._runtime import env
 
 
 def write_metrics(metrics, writer, step, tag_prefix="hvd_adapt"):
