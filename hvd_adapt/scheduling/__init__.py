@@ -9,7 +9,10 @@
   wraps any base discovery with the rule;
 - :mod:`.standby`: ``hvd-adapt-worker``, warm standby workers that boot while
   the job trains and are handed the slot Horovod launches;
-- :mod:`.ready`: the standbys' ready files, which the discovery counts.
+- :mod:`.ready`: the standbys' ready files, which the discovery counts;
+- :mod:`.job_supervisor`: ``hvd-adapt-run``, which launches a job again when
+  Horovod's driver gives up on it while it could go on, reading how each run
+  ended from horovodrun's output (:mod:`.launcher_output`).
 
 Everything here imports the standard library only (no torch, numpy or
 Horovod; a standby imports the library while it boots): Horovod runs the discovery script every second, and each run must
