@@ -54,7 +54,9 @@ gets SIGTERM if ``hvd-adapt-run`` dies (``PR_SET_PDEATHSIG``), and every
 process it leaves behind when it ends (orphans come to ``hvd-adapt-run``:
 ``PR_SET_CHILD_SUBREAPER``) is ended before the next launch as horovodrun
 ends its workers (SIGTERM, SIGKILL 5 s later): two runs never overlap on
-this machine. Each launch's environment carries ``HVD_ADAPT_RESTARTS`` (0,
+this machine. A horovodrun whose driver said it stopped the job but that is
+still there 10 s later is killed (Horovod 0.28 hangs there at times, see
+``DRIVER_EXIT_SECONDS``). Each launch's environment carries ``HVD_ADAPT_RESTARTS`` (0,
 1, ...). Standard library only: it starts in milliseconds.
 """
 import argparse
@@ -83,6 +85,14 @@ RESTARTS_ENV = "HVD_ADAPT_RESTARTS"
 # What horovodrun gives its workers between SIGTERM and SIGKILL (GRACEFUL_TERMINATION_TIME_S),
 # given here to the processes a run left behind.
 LEFTOVER_GRACE_SECONDS = 5.0
+# Once its driver said it stopped the job, horovodrun only ends its workers (SIGTERM, SIGKILL
+# 5 s later) and exits. Horovod 0.28 hangs there at times: a worker that registered with the
+# driver's rendezvous and then died leaves a thread waiting in the registry's barrier, which
+# horovodrun joins forever, deaf to SIGTERM (seen on the namespace cluster after "No hosts
+# from previous set remaining" when every host crashed). A horovodrun still there twice its
+# workers' grace after its driver stopped is SIGKILLed; the workers it leaves are then ended
+# as any run's leftovers are.
+DRIVER_EXIT_SECONDS = 10.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -213,11 +223,26 @@ class JobSupervisor:
             pipe.close()
             thread.start()
             copies.append(thread)
-        returncode = self._proc.wait()
+        returncode = self._wait(self._proc, output)
         self._end_leftovers()
         for thread in copies:
             thread.join()
         return returncode, output
+
+    def _wait(self, proc, output):
+        """Wait for horovodrun's end; SIGKILL it where its driver stopped the job
+        ``DRIVER_EXIT_SECONDS`` ago and it has not exited."""
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            since = output.seconds_since_the_driver_gave_up()
+            if since is not None and since > DRIVER_EXIT_SECONDS:
+                log.warning("Horovod's driver stopped the job %.0f s ago and horovodrun has not "
+                            "exited (it hangs at times after a stop): killing it", since)
+                proc.kill()
+                return proc.wait()
 
     def _end_leftovers(self):
         """End what the run left on this machine (orphans of its workers' launchers, which

@@ -25,6 +25,7 @@ True
 """
 import re
 import threading
+import time
 
 from .._runtime.script_end import read_record
 
@@ -71,6 +72,7 @@ class RunOutput:
         self._reason = None           # (its index in GIVING_UP, the driver's sentence, meaning)
         self._first_failed = None     # {"name": ..., "code": ...} of the worker named
         self._after_first_failed = False
+        self._gave_up_at = None       # time.monotonic() when the driver said it stopped the job
         self._lock = threading.Lock()
 
     def read_line(self, line):
@@ -90,6 +92,7 @@ class RunOutput:
             found = pattern.search(line)
             if found:
                 self._reason = (index, found.group(0), meaning)
+                self._gave_up_at = self._gave_up_at or time.monotonic()
                 return
         found = _MPI_SIGNAL.search(line)
         if found and self._first_failed is None:
@@ -122,6 +125,11 @@ class RunOutput:
                 return (f"a worker's exit ended the run ({first['name']} exited first, with "
                         f"{first.get('code', '?')})")
             return None
+
+    def seconds_since_the_driver_gave_up(self):
+        """Seconds since the driver said it stopped the job (None before)."""
+        with self._lock:
+            return None if self._gave_up_at is None else time.monotonic() - self._gave_up_at
 
     def script_ended(self):
         """Where every rank of one world (a size and a commit: ranks 0 to size - 1 at the same
