@@ -366,15 +366,21 @@ def parser():
     return p
 
 
-def main(argv=None):
-    """``hvd-adapt-run``."""
-    p = parser()
+def parse(p, argv=None):
+    """``hvd-adapt-run``'s arguments from ``argv``, and the command after ``--``; a usage error
+    names a bad value."""
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("the horovodrun command is missing (give it after --)")
     if args.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    return args, command
+
+
+def main(argv=None):
+    """``hvd-adapt-run``."""
+    args, command = parse(parser(), argv)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s hvd-adapt-run: %(message)s"))
     log.addHandler(handler)
