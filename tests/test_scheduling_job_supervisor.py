@@ -156,3 +156,12 @@ def test_a_horovodrun_that_hangs_after_its_driver_stopped_the_job_is_killed(tmp_
     assert result.returncode == 137, result.stderr
     assert "horovodrun has not exited (it hangs at times after a stop): killing it" in result.stderr
     assert "restart budget is spent (--max-restarts 0): exiting with 137" in result.stderr
+
+
+def test_a_lock_planted_where_the_job_would_put_it_is_refused(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "job.lock")
+    result = supervise(tmp_path, "touch ran")
+    assert result.returncode == 1 and "is a symlink: refusing to use it as a lock" in result.stderr
+    assert victim.read_text() == "precious" and not (tmp_path / "ran").exists()

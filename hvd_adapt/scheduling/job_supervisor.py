@@ -316,8 +316,14 @@ class JobSupervisor:
             os.close(self._lock_fd)
 
     def _supervise(self):
-        restarts = 0
+        restarts, code = 0, None
         while True:
+            if self.stop_signal is not None:
+                # Stopped before a run: it is not started.
+                code = 128 + self.stop_signal if code is None else code
+                log.info("stopped by %s before the next run; exiting with %d",
+                         signal.Signals(self.stop_signal).name, code)
+                return code
             try:
                 returncode, output = self.launch(restarts)
             except OSError as e:
@@ -330,14 +336,13 @@ class JobSupervisor:
                              f" after {restarts} restart(s)" if restarts else "")
                 return code
             if restarts >= self.max_restarts:
-                log.error("Horovod's driver gave up while the job could go on: %s; but the "
-                          "restart budget is spent (--max-restarts %d): exiting with %d",
-                          why, self.max_restarts, code)
+                log.error("the job could go on (%s), but the restart budget is spent "
+                          "(--max-restarts %d): exiting with %d", why, self.max_restarts, code)
                 return code
             restarts += 1
-            log.warning("restart %d of %d: Horovod's driver gave up while the job could go "
-                        "on: %s; launching the same command again (the script resumes from "
-                        "its last checkpoint)", restarts, self.max_restarts, why)
+            log.warning("restart %d of %d: the job could go on (%s); launching the same "
+                        "command again (the script resumes from its last checkpoint)",
+                        restarts, self.max_restarts, why)
 
 
 def _signal(pid, sig):
