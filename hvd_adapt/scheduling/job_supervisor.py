@@ -89,9 +89,12 @@ LEFTOVER_GRACE_SECONDS = 5.0
 # 5 s later) and exits. Horovod 0.28 hangs there at times: a worker that registered with the
 # driver's rendezvous and then died leaves a thread waiting in the registry's barrier, which
 # horovodrun joins forever, deaf to SIGTERM (seen on the namespace cluster after "No hosts
-# from previous set remaining" when every host crashed). A horovodrun still there twice its
-# workers' grace after its driver stopped is SIGKILLed; the workers it leaves are then ended
-# as any run's leftovers are.
+# from previous set remaining" when every host crashed). And where every worker was lost
+# that way, the driver may never say it stopped: it waits for slots, and when the hosts come
+# back under the same names (a StatefulSet's pods) it starts no worker there (it takes their
+# slots for still filled) and waits for ever. A horovodrun still there twice its workers'
+# grace after its driver stopped, or that long without any worker after workers failed, is
+# SIGKILLed; the workers it leaves are then ended as any run's leftovers are.
 DRIVER_EXIT_SECONDS = 10.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -156,8 +159,30 @@ def _forward(source, target, splitter):
     os.close(source)
 
 
+def _parents():
+    """``{pid: parent pid}`` of every process."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return parents
+
+
+def _command_line(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
 def _children():
-    """This process's children, as ``{pid: command line}`` (zombies reaped first)."""
+    """This process's children, as ``{pid: command line}`` (zombies reaped first: call it
+    only once horovodrun was waited for)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -165,20 +190,31 @@ def _children():
             return {}
         if pid == 0:
             break
-    found, me = {}, os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != me:
-                continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, ValueError, IndexError):
-            continue
+    me, found = os.getpid(), {}
+    for pid, parent in _parents().items():
+        if parent == me:
+            command = _command_line(pid)
+            if command is not None:
+                found[pid] = command
     return found
+
+
+def _worker_sessions(root):
+    """How many of ``root``'s descendants are worker sessions horovodrun started: their
+    command line exports the slot's rank (``sh -c 'env ... HOROVOD_RANK=...'`` on this host,
+    ``ssh HOST '... HOROVOD_RANK=...'`` to another)."""
+    children = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    sessions, todo = 0, list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        command = _command_line(pid)
+        if command is not None and "HOROVOD_RANK=" in command:
+            sessions += 1
+        else:
+            todo += children.get(pid, ())
+    return sessions
 
 
 class JobSupervisor:
@@ -190,6 +226,7 @@ class JobSupervisor:
         self.max_restarts = max_restarts
         self.lock_path = lock_path or default_lock_path(self.command, os.getcwd())
         self.stop_signal = None
+        self.lost_every_worker = False   # the last run's horovodrun was killed for it
         self._proc = None
 
     # -- signals -------------------------------------------------------------------------
@@ -230,8 +267,11 @@ class JobSupervisor:
         return returncode, output
 
     def _wait(self, proc, output):
-        """Wait for horovodrun's end; SIGKILL it where its driver stopped the job
-        ``DRIVER_EXIT_SECONDS`` ago and it has not exited."""
+        """Wait for horovodrun's end. SIGKILL it where its driver stopped the job
+        ``DRIVER_EXIT_SECONDS`` ago and it has not exited, or where it has had no worker
+        for that long after workers failed (``self.lost_every_worker``)."""
+        self.lost_every_worker = False
+        seen_workers, alone_since = False, None
         while True:
             try:
                 return proc.wait(timeout=0.5)
@@ -241,6 +281,19 @@ class JobSupervisor:
             if since is not None and since > DRIVER_EXIT_SECONDS:
                 log.warning("Horovod's driver stopped the job %.0f s ago and horovodrun has not "
                             "exited (it hangs at times after a stop): killing it", since)
+                proc.kill()
+                return proc.wait()
+            if _worker_sessions(proc.pid):
+                seen_workers, alone_since = True, None
+                continue
+            if not seen_workers or not output.workers_failed():
+                continue
+            alone_since = alone_since or time.monotonic()
+            if time.monotonic() - alone_since > DRIVER_EXIT_SECONDS:
+                log.warning("horovodrun has had no worker for %.0f s, its last ones failed (%s), "
+                            "and its driver waits on: the job's state is gone but for its "
+                            "checkpoint; killing it", DRIVER_EXIT_SECONDS, output.workers_failed())
+                self.lost_every_worker = True
                 proc.kill()
                 return proc.wait()
 
@@ -287,6 +340,9 @@ class JobSupervisor:
             name = signal.Signals(self.stop_signal).name
             return False, code, f"stopped by {name} (passed on to horovodrun)"
         reason = output.driver_gave_up()
+        if reason is None and self.lost_every_worker:
+            reason = ("every worker was lost and Horovod's driver waited on without one (it "
+                      "does when the lost hosts come back under the same names)")
         if reason is None and returncode < 0:
             reason = f"horovodrun was killed by {signal.Signals(-returncode).name}"
         if reason is None:

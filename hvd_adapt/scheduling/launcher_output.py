@@ -58,6 +58,8 @@ _PROCESS_NAME = re.compile(r"^\s*Process name:\s+(.+?)\s*$")
 _EXIT_CODE = re.compile(r"^\s*Exit code:\s+(-?\d+)\s*$")
 _MPI_SIGNAL = re.compile(r"mpirun noticed that process rank (\d+) with PID \d+ on node (\S+) "
                          r"exited on signal (\d+)")
+# horovodrun (Gloo, elastic or not) on each worker that exited non-zero.
+_WORKER_EXIT = re.compile(r"^Process (\S+) exit with status code (-?\d+)\.")
 # A worker's line as horovodrun forwards it (optionally after a timestamp): not the driver's.
 _WORKER_LINE = re.compile(r"^[^\[]*\[\d+\]<std(?:out|err)>:")
 
@@ -73,6 +75,7 @@ class RunOutput:
         self._first_failed = None     # {"name": ..., "code": ...} of the worker named
         self._after_first_failed = False
         self._gave_up_at = None       # time.monotonic() when the driver said it stopped the job
+        self._failed_exits = []       # "worker: code" of the workers that exited non-zero
         self._lock = threading.Lock()
 
     def read_line(self, line):
@@ -94,6 +97,11 @@ class RunOutput:
                 self._reason = (index, found.group(0), meaning)
                 self._gave_up_at = self._gave_up_at or time.monotonic()
                 return
+        found = _WORKER_EXIT.match(line)
+        if found:
+            if found.group(2) != "0":
+                self._failed_exits.append(f"worker {found.group(1)}: {found.group(2)}")
+            return
         found = _MPI_SIGNAL.search(line)
         if found and self._first_failed is None:
             self._first_failed = {"name": f"rank {found.group(1)} on {found.group(2)}",
@@ -125,6 +133,14 @@ class RunOutput:
                 return (f"a worker's exit ended the run ({first['name']} exited first, with "
                         f"{first.get('code', '?')})")
             return None
+
+    def workers_failed(self):
+        """The workers horovodrun said exited non-zero, ``worker N: code`` in a string (the
+        last few), or None."""
+        with self._lock:
+            if not self._failed_exits:
+                return None
+            return ", ".join(self._failed_exits[-4:])
 
     def seconds_since_the_driver_gave_up(self):
         """Seconds since the driver said it stopped the job (None before)."""

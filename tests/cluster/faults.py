@@ -226,8 +226,10 @@ def summary(job):
 def replace_all_hosts(bed, job, lost=("h2", "h3"), new="h4", slots=2):
     """Every host of the job lost at once (all their processes killed, sshd included) in the
     middle of an epoch after the first checkpoint, and the cluster's scheduler offering a new
-    host in their place (``new``, down until then, with ``slots``): ``job.answered`` is when
-    its sshd answers (None where the job never got there). Needs a bed of 4 hosts."""
+    host in their place (``new``, down until then, with ``slots``; a bed of 4 hosts), or with
+    ``new=None`` the lost hosts themselves coming back under their names (a StatefulSet's
+    pods) once the discovery has offered none. ``job.answered`` is when the first host
+    answers again (None where the job never got there)."""
     checkpoint = os.path.join(job.out_dir, "job.pt")
     job.answered = None
     deadline = time.monotonic() + 150
@@ -243,6 +245,17 @@ def replace_all_hosts(bed, job, lost=("h2", "h3"), new="h4", slots=2):
     job.fault_time = time.time()
     for host in lost:
         bed.crash(host)
-    job.set_hosts([f"{new}:{slots}"])
-    bed.heal(new)
-    job.answered = time.time()
+    if new is not None:
+        job.set_hosts([f"{new}:{slots}"])
+        bed.heal(new)
+        job.answered = time.time()
+        return
+    log = os.path.join(job.out_dir, "output.log")
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if "0 worker(s) on no host" in f.read():
+                break
+        time.sleep(0.1)
+    for host in lost:
+        bed.heal(host)
+        job.answered = job.answered or time.time()
