@@ -145,7 +145,9 @@ def main():
     parser.add_argument("--decide-every", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--wait-steps", type=json.loads, default=[])
+    parser.add_argument("--wait-steps", type=json.loads, default=[],
+                        help="steps to hold still at until a resize interrupts (in the first "
+                             "launch of hvd-adapt-run only)")
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--autoscale", action="store_true")
@@ -383,7 +385,8 @@ def main():
                     write_progress(state.step)
                     if not os.path.exists(out_path("committed")):
                         open(out_path("committed"), "w").close()
-                if state.step in args.wait_steps and state.step not in state.waited:
+                if state.step in args.wait_steps and state.step not in state.waited \
+                        and RESTARTS == 0:
                     state.waited = state.waited + [state.step]
                     # Hold still at this step until the driver's resize reaches us.
                     deadline = time.time() + args.hold_seconds
