@@ -31,8 +31,8 @@ How it tells the script's end from the driver's giving up, on evidence:
   to horovodrun, which passes it to the workers (they drain where the
   script installed ``install_sigterm_drain``); never restarted.
 - the driver said it gave up (one of the sentences above), or a worker's
-  exit ended a fixed-size run, or horovodrun was killed by a signal: the job
-  could go on; restarted, with a line on standard error that says why, while
+  exit ended a fixed-size run, or horovodrun was killed by a signal, or it
+  was left with no worker (below): the job could go on; restarted, with a line on standard error that says why, while
   ``--max-restarts`` allows (default 3, counted over the whole job, as
   torchrun's; then it exits with horovodrun's code, saying the budget is
   spent).
@@ -55,8 +55,10 @@ process it leaves behind when it ends (orphans come to ``hvd-adapt-run``:
 ``PR_SET_CHILD_SUBREAPER``) is ended before the next launch as horovodrun
 ends its workers (SIGTERM, SIGKILL 5 s later): two runs never overlap on
 this machine. A horovodrun whose driver said it stopped the job but that is
-still there 10 s later is killed (Horovod 0.28 hangs there at times, see
-``DRIVER_EXIT_SECONDS``). Each launch's environment carries ``HVD_ADAPT_RESTARTS`` (0,
+still there 10 s later, or that has had no worker for 10 s after its workers
+failed, is killed and the job launched again: Horovod 0.28 hangs there at
+times, and waits for ever when every host is lost and comes back under the
+same names (see ``DRIVER_EXIT_SECONDS``). Each launch's environment carries ``HVD_ADAPT_RESTARTS`` (0,
 1, ...). Standard library only: it starts in milliseconds.
 """
 import argparse
@@ -274,7 +276,7 @@ class JobSupervisor:
         seen_workers, alone_since = False, None
         while True:
             try:
-                return proc.wait(timeout=0.5)
+                return proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
             since = output.seconds_since_the_driver_gave_up()
