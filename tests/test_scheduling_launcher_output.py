@@ -114,3 +114,10 @@ def test_lines_are_read_across_chunks_and_long_ones_are_cut():
     assert lines == ["failure count", "x" * LINE_LIMIT, "last"]
     splitter.feed(b"\xff\xfe broken utf-8\n")
     assert lines[-1] == "\ufffd\ufffd broken utf-8"
+
+
+def test_the_workers_that_failed_are_counted_for_the_no_worker_rule():
+    out = read("Process 1 exit with status code 255.\n[0]<stdout>:Process 0 exit with status "
+               "code 9.\nProcess 0 exit with status code 143.\n")
+    assert out.workers_failed() == "worker 1: 255, worker 0: 143"
+    assert read("hvd-adapt-discover: 2 worker(s) on h2:1\n").workers_failed() is None
