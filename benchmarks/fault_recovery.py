@@ -8,7 +8,12 @@ once the job has committed 6 steps (``sigstop``: h3's training process is
 stopped, as a hung worker). Per fault and configuration, over
 ``--runs`` runs: the survivors' pause (the longest time without a commit
 from the fault on: for a failure, until the survivors commit again; for the
-cold joiner, the grow's), median and range, and how the job ended.
+cold joiner, the grow's; for ``hosts_replaced``, from the first new host
+answering to the job's first commit on it), median and range, and how the
+job ended. ``hosts_replaced`` (every host of a 2-host job crashes mid-epoch
+and a new one, h4, comes up: a bed of 4 hosts) runs ``hvd_adapt`` under
+``hvd-adapt-run``, which launches the job again from its checkpoint; the
+anchors have no supervisor.
 Configurations, in the same invocation and on the same bed:
 
 - ``hvd_adapt``: this tree, with ``hvd-adapt-discover`` wrapping the host
@@ -66,6 +71,10 @@ FAULTS = {
     "cold_joiner": (cold_joiner, {"hosts": ["h1:1", "h2:1"], "np": 2,
                                   "worker_args": ["--slow-join", "20"]}),
     "sigstop": (sigstop, {}),
+    # Every host replaced mid-epoch: h2 and h3 crash, h4 (down until then) is offered; the
+    # job resumes from its checkpoint under hvd-adapt-run (the anchors have no supervisor).
+    "hosts_replaced": (faults.replace_all_hosts, {"hosts": ["h2:1", "h3:1"], "np": 2,
+                                                  "replacement": True}),
 }
 
 
@@ -81,15 +90,31 @@ def config_env(name, before_tree):
     return env
 
 
+def resumed_after_answer(job):
+    """Seconds from the first new host answering to the job's first commit after it (None
+    where it never committed again)."""
+    answered = getattr(job, "answered", None)
+    after = sorted(e["time"] for e in job.commits if answered and e["time"] > answered)
+    return after[0] - answered if after else None
+
+
 def one_run(bed, fault, config, env, folder, after_fault):
     inject, options = FAULTS[fault]
     options = dict(options)
     env = {**options.pop("env", {}), **env}
-    job = faults.run_fault(bed, tempfile.mkdtemp(dir=folder), inject, env=env,
+    out_dir = tempfile.mkdtemp(dir=folder)
+    replacement = options.pop("replacement", False)
+    if replacement:
+        bed.crash("h4")
+        options["worker_args"] = ["--checkpoint", os.path.join(out_dir, "job.pt")]
+        if config == "hvd_adapt":
+            options["prefix"] = [sys.executable, "-m", "hvd_adapt.scheduling.job_supervisor",
+                                 "--lock", os.path.join(out_dir, "job.lock"), "--"]
+    job = faults.run_fault(bed, out_dir, inject, env=env,
                            after_fault=after_fault, wrapped_discovery=config != "horovod",
                            **options)
     try:
-        stall = job.longest_pause()
+        stall = resumed_after_answer(job) if replacement else job.longest_pause()
         if job.returncode == 0:
             outcome = "trained"
         elif job.returncode == "timeout":
@@ -98,7 +123,8 @@ def one_run(bed, fault, config, env, folder, after_fault):
             outcome = f"died (exit {job.returncode})"
         return stall, outcome
     finally:
-        bed.heal("h3")
+        for host in ("h2", "h3", "h4") if replacement else ("h3",):
+            bed.heal(host)
 
 
 def main():
@@ -138,7 +164,8 @@ def main():
     rows = []
     print(f"{'fault':15} {'configuration':10} {'pause s: median (min-max)':28} outcomes")
     keepalive = cluster.KEEPALIVE if args.ssh_keepalive else None
-    with cluster.Bed(3, ssh_options=keepalive, root=folder) as bed:
+    hosts = 4 if "hosts_replaced" in args.faults else 3
+    with cluster.Bed(hosts, ssh_options=keepalive, root=folder) as bed:
         for fault in args.faults:
             for name in args.configs:
                 env = config_env(name, args.before_tree)

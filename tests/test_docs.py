@@ -1,6 +1,6 @@
 """The documentation: every Python block in README.md and docs/ runs; every shell block's
 commands name files, options and extras that exist (checked with the real argument parsers
-of horovodrun, hvd-adapt-discover, hvd-adapt-worker and the examples: docker, kubectl and
+of horovodrun, hvd-adapt-discover, hvd-adapt-worker, hvd-adapt-run and the examples: docker, kubectl and
 multi-host launches cannot run here); every relative link resolves; the README stays a
 front page."""
 import configparser
@@ -98,6 +98,11 @@ def check_worker(args):
     check_command(standby.parse(standby.parser(), args)[1])
 
 
+def check_supervisor(args):
+    from hvd_adapt.scheduling import job_supervisor
+    check_command(job_supervisor.parse(job_supervisor.parser(), args)[1])
+
+
 def check_pip(args):
     assert args[0] == "install", args
     config = configparser.ConfigParser()
@@ -151,7 +156,8 @@ def check_command(words):
 
 
 COMMANDS = {"horovodrun": check_horovodrun, "hvd-adapt-discover": check_discover,
-            "hvd-adapt-worker": check_worker, "pip": check_pip, "docker": check_docker,
+            "hvd-adapt-worker": check_worker, "hvd-adapt-run": check_supervisor,
+            "pip": check_pip, "docker": check_docker,
             "kubectl": check_kubectl}
 
 

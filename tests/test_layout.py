@@ -126,9 +126,6 @@ _MAY_IMPORT = {
 # The standby preloads every public name while it waits for its slot (so that they do not
 # count in the survivors' pause): the one import of the package's root below it.
 _IMPORTS_THE_ROOT = {os.path.join("_runtime", "handover.py")}
-# What scheduling's modules may reach in the floor: standard library only at import.
-_STANDARD_LIBRARY_FLOOR = {"hvd_adapt._runtime.private_files", "hvd_adapt._runtime.parent_death",
-                           "hvd_adapt._runtime.handover"}
 
 
 def _room(relative):
@@ -136,28 +133,58 @@ def _room(relative):
     return first[:-3] if first.endswith(".py") else first
 
 
-def imported_modules(path):
-    """Every hvd_adapt module ``path`` imports (absolute names), with the line of each."""
+def imported_modules(path, top_level_only=False):
+    """Every hvd_adapt module ``path`` imports (absolute names), with the line of each; with
+    ``top_level_only``, those its import runs (not those inside functions)."""
     relative = os.path.relpath(path, PACKAGE)
     parts = ["hvd_adapt"] + relative[:-3].split(os.sep)
     package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
     with open(path) as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):
+    for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[:len(package) - (node.level - 1)]
-                if node.module:
-                    yield ".".join(base + [node.module]), node.lineno
-                else:
-                    for alias in node.names:
-                        yield ".".join(base + [alias.name]), node.lineno
+                module = ".".join(base + ([node.module] if node.module else []))
             elif node.module.split(".")[0] == "hvd_adapt":
-                yield node.module, node.lineno
+                module = node.module
+            else:
+                continue
+            # `from package import module` imports that module too.
+            submodules = [f"{module}.{alias.name}" for alias in node.names
+                          if os.path.exists(module_path(f"{module}.{alias.name}"))]
+            if node.module or not submodules:
+                yield module, node.lineno
+            for submodule in submodules:
+                yield submodule, node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "hvd_adapt":
                     yield alias.name, node.lineno
+
+
+def module_path(module):
+    parts = module.split(".")[1:]
+    path = os.path.join(PACKAGE, *parts)
+    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+
+
+def standard_library_only(module):
+    """Whether importing hvd_adapt ``module`` loads the standard library alone: its top-level
+    imports (not those inside functions) are of the standard library, or of such modules."""
+    with open(module_path(module)) as f:
+        tree = ast.parse(f.read())
+    local = {name for name, _ in imported_modules(module_path(module), top_level_only=True)}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module]
+        else:
+            continue
+        if any(name.split(".")[0] not in sys.stdlib_module_names | {"hvd_adapt"} for name in names):
+            return False
+    return all(standard_library_only(name) for name in local if name != "hvd_adapt")
 
 
 def test_layers_point_down():
@@ -176,10 +203,9 @@ def test_layers_point_down():
             target = module.split(".")[1]
             if target not in allowed:
                 found.append(f"{relative}:{line}: {room} imports {module}")
-            elif room == "scheduling" and target == "_runtime" \
-                    and module not in _STANDARD_LIBRARY_FLOOR and module != "hvd_adapt._runtime":
-                found.append(f"{relative}:{line}: scheduling imports {module}, which is not "
-                             "standard library only")
+            elif room == "scheduling" and not standard_library_only(module):
+                found.append(f"{relative}:{line}: scheduling imports {module}, which imports "
+                             "more than the standard library")
     assert not found, "\n".join(found)
 
 

@@ -110,3 +110,44 @@ def test_a_new_locked_folder_survives_a_sweep_before_its_lock(when, tmp_path, mo
         assert pf.remove_unlocked_folders(str(tmp_path), "p-") == [], "ours is locked"
     finally:
         os.close(fd)
+
+
+def test_a_lock_is_held_by_one_and_freed_when_its_holder_dies(tmp_path):
+    path = str(tmp_path / "job.lock")
+    fd = pf.hold_lock(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(BlockingIOError):
+        pf.hold_lock(path)
+    # A holder killed without a chance to clean up (SIGKILL) frees it; the file stays.
+    pid = os.fork()
+    if pid == 0:
+        os.close(fd)
+        try:
+            pf.hold_lock(path)
+        except BlockingIOError:
+            os._exit(0)
+        os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    os.close(fd)
+    child = os.fork()
+    if child == 0:
+        pf.hold_lock(path)
+        os.kill(os.getpid(), 9)
+    os.waitpid(child, 0)
+    os.close(pf.hold_lock(path))
+
+
+def test_a_lock_planted_by_a_link_or_another_user_is_refused(tmp_path, shared_tmp):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "link.lock")
+    with pytest.raises(pf.UnsafePathError, match="is a symlink"):
+        pf.hold_lock(str(tmp_path / "link.lock"))
+    os.mkfifo(tmp_path / "fifo.lock", 0o600)
+    with pytest.raises(pf.UnsafePathError, match="not a regular file"):
+        pf.hold_lock(str(tmp_path / "fifo.lock"))
+    theirs = os.path.join(shared_tmp, "job.lock")
+    as_other_user(lambda: os.close(os.open(theirs, os.O_CREAT | os.O_WRONLY, 0o666)))
+    with pytest.raises(pf.UnsafePathError, match="belongs to uid"):
+        pf.hold_lock(theirs)
+    assert victim.read_text() == "precious"

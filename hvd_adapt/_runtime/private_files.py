@@ -176,6 +176,36 @@ def remove_if_present(path):
         pass
 
 
+def hold_lock(path):
+    """Take the lock file ``path`` (in a place others may write): created with
+    :func:`create_exclusive` where missing, else opened without following a symlink and
+    checked to be a regular file of ours that no one else may write; then an exclusive
+    ``flock`` is taken without waiting. Returns the descriptor, which holds the lock for as
+    long as it (or a copy a child inherited) is open: a holder that dies, even by SIGKILL,
+    leaves it free, and the file is never removed (a removal would let a second holder lock
+    a new file while the first holds the old). ``BlockingIOError`` where another holds it."""
+    try:
+        fd = create_exclusive(path, flags=os.O_RDWR)
+    except FileExistsError:
+        try:
+            # O_NONBLOCK: a FIFO planted at path would hang the open before the check.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise UnsafePathError(f"{path} is a symlink: refusing to use it as a lock") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file: refusing to use it as a lock")
+        check_owned(st, path)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def new_locked_folder(parent, prefix):
     """Create a new folder ``<parent>/<prefix><random>`` (``parent`` may be shared, like
     /tmp: the name is unpredictable and ``mkdir`` never follows a link), mode 0700, and hold

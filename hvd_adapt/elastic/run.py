@@ -9,7 +9,9 @@ the epoch is re-partitioned over the new world and the batch size is
 decided again, whether or not Horovod skipped its sync, and that when the
 function returns, an epoch loop it left early is committed as finished (and
 checkpointed). Anywhere else (plain ``python``, ``mpirun``, non-elastic
-``horovodrun``) it syncs once from rank 0 and calls the function.
+``horovodrun``) it syncs once from rank 0 and calls the function. Under
+``hvd-adapt-run``, an error or exit of the script's own that leaves the
+function is said in one line for the supervisor (``_runtime/script_end.py``).
 """
 import functools
 
@@ -17,7 +19,7 @@ import horovod.torch as hvd
 from horovod.common.elastic import run_fn
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from .._runtime import env
+from .._runtime import env, script_end
 from .._runtime.context import CONTEXT
 from .._runtime.gloo import init_world
 
@@ -61,6 +63,11 @@ def run(func):
             # this worker is on its way into the reset, not behind its peers.
             if CONTEXT.watchdog is not None:
                 CONTEXT.watchdog.leaving_training()
+            raise
+        except BaseException as error:
+            # The script's own end (its error, sys.exit, a drain's 143): said for
+            # hvd-adapt-run, which must not relaunch it (_runtime/script_end.py).
+            script_end.tell(env.rank(), env.size(), state.generation, error)
             raise
         state.finish_training_function()
         return result

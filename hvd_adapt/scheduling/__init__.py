@@ -12,7 +12,10 @@
   :mod:`.standby_supervisor` (``--standby``) and :mod:`.launch_stub` (a slot);
 - :mod:`.ready`: the standbys' ready files, which the discovery counts;
 - :mod:`.base`: the base discovery's answer (its command run within a deadline);
-- :mod:`.sessions`: the elastic driver's ssh sessions to a host that stopped answering.
+- :mod:`.sessions`: the elastic driver's ssh sessions to a host that stopped answering;
+- :mod:`.job_supervisor`: ``hvd-adapt-run``, which launches a job again when
+  Horovod's driver gives up on it while it could go on, reading how each run
+  ended from horovodrun's output (:mod:`.launcher_output`).
 
 Everything here imports the standard library only (no torch, numpy or
 Horovod; a standby imports the library while it boots): Horovod runs the discovery script every second, and each run must

@@ -90,14 +90,15 @@ def discovery(out_dir, wrapped=False):
 
 def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=ALL,
               worker_args=(), launcher_args=(), env=None, np=3, min_np=2, start_timeout=150,
-              wrapped_discovery=False):
-    """Run the job (``wrapped_discovery``: see :func:`discovery`), call ``inject(bed, job)`` once rank 0 committed ``at_step`` steps
+              wrapped_discovery=False, prefix=()):
+    """Run the job (``wrapped_discovery``: see :func:`discovery`; ``prefix``: a command
+    horovodrun's runs under, such as hvd-adapt-run), call ``inject(bed, job)`` once rank 0 committed ``at_step`` steps
     (within ``start_timeout`` s), wait up to ``after_fault`` seconds more for the job's
     end; return the :class:`FaultJob` (``returncode`` "timeout" where it had to be
     killed)."""
     job = FaultJob(out_dir)
     job.set_hosts(hosts)
-    command = [sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
+    command = [*prefix, sys.executable, FAST_HOROVODRUN, "-np", str(np), "--min-np", str(min_np),
                "--max-np", "3", "--network-interface", "eth0",
                "--host-discovery-script", discovery(out_dir, wrapped_discovery),
                "--blacklist-cooldown-range", "1", "3", *launcher_args,
@@ -220,3 +221,41 @@ def _exe(pid):
 def summary(job):
     return json.dumps({"returncode": job.returncode, "stall": job.stall(),
                        "epochs": len(job.epochs)})
+
+
+def replace_all_hosts(bed, job, lost=("h2", "h3"), new="h4", slots=2):
+    """Every host of the job lost at once (all their processes killed, sshd included) in the
+    middle of an epoch after the first checkpoint, and the cluster's scheduler offering a new
+    host in their place (``new``, down until then, with ``slots``; a bed of 4 hosts), or with
+    ``new=None`` the lost hosts themselves coming back under their names (a StatefulSet's
+    pods) once the discovery has offered none. ``job.answered`` is when the first host
+    answers again (None where the job never got there)."""
+    checkpoint = os.path.join(job.out_dir, "job.pt")
+    job.answered = None
+    deadline = time.monotonic() + 150
+    while not os.path.exists(checkpoint):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    step = job.progress()
+    while job.progress() < step + 2:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    job.fault_time = time.time()
+    for host in lost:
+        bed.crash(host)
+    if new is not None:
+        job.set_hosts([f"{new}:{slots}"])
+        bed.heal(new)
+        job.answered = time.time()
+        return
+    log = os.path.join(job.out_dir, "output.log")
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if "0 worker(s) on no host" in f.read():
+                break
+        time.sleep(0.1)
+    for host in lost:
+        bed.heal(host)
+        job.answered = job.answered or time.time()

@@ -71,3 +71,38 @@ def check_identical_replicas(commits):
             by_step[(entry["step"], entry["size"])].add((entry["params"], held))
     differing = {key: len(hashes) for key, hashes in by_step.items() if len(hashes) > 1}
     assert by_step and not differing, f"replicas differ at (step, size): {differing}"
+
+
+def lineage(commits, attempts):
+    """The commits the job's final state descends from, across ``hvd-adapt-run``'s launches:
+    a launch's commits from the epoch a later launch resumed in on are dropped (that launch
+    trained them again, from its checkpoint). ``attempts``: :func:`read_attempts`'s."""
+    resumed = {}
+    for entries in attempts.values():
+        first = entries[0]
+        resumed[first["restarts"]] = min(resumed.get(first["restarts"], first["epoch"]),
+                                         first["epoch"])
+    kept = []
+    for entry in commits:
+        later = [epoch for launch, epoch in resumed.items() if launch > entry["restarts"]]
+        if not later or entry["epoch"] < min(later):
+            kept.append(entry)
+    return kept
+
+
+def check_resumed_from_checkpoint(commits, attempts, launch):
+    """Every rank of launch ``launch`` (HVD_ADAPT_RESTARTS) started from the last commit of an
+    earlier launch's last finished epoch, the one its checkpoint holds: same step,
+    parameters, optimizer state and scale."""
+    firsts = [entries[0] for entries in attempts.values() if entries[0]["restarts"] == launch]
+    assert firsts, f"no rank of launch {launch} trained"
+    epochs = {first["epoch"] for first in firsts}
+    assert len(epochs) == 1 and min(epochs) > 0, firsts
+    epoch = epochs.pop()
+    ended = [entry for entry in commits if entry["restarts"] < launch and entry["optim"]
+             and entry["epoch"] == epoch - 1]
+    last = max(ended, key=lambda entry: entry["step"])
+    for first in firsts:
+        assert first["step"] == last["step"] + 1, (first, last["step"])
+        assert (first["params"], first["optimizer"], first["scale"]) == \
+            (last["params"], last["optimizer"], last["scale"]), first["rank"]

@@ -145,7 +145,9 @@ def main():
     parser.add_argument("--decide-every", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--wait-steps", type=json.loads, default=[])
+    parser.add_argument("--wait-steps", type=json.loads, default=[],
+                        help="steps to hold still at until a resize interrupts (in the first "
+                             "launch of hvd-adapt-run only)")
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-host", default="127.0.0.1")
     parser.add_argument("--autoscale", action="store_true")
@@ -199,6 +201,12 @@ def main():
                              "cores do not have")
     parser.add_argument("--swap-dir", default=None,
                         help="the optimizer's state on disk in this folder")
+    parser.add_argument("--raise-at-step", type=int, default=-1,
+                        help="every rank raises ValueError when it reaches this step (a bug of "
+                             "the script's own)")
+    parser.add_argument("--kill-all-at-step", type=int, default=-1,
+                        help="every rank SIGKILLs itself when it reaches this step, in the "
+                             "first run of hvd-adapt-run only (HVD_ADAPT_RESTARTS 0)")
     parser.add_argument("--commit-every", type=int, default=1,
                         help="commit at every N-th optimizer step; check for host changes "
                              "after the other batches (the digits example's pattern)")
@@ -260,7 +268,8 @@ def main():
                 "epoch": state.epoch, "position": loader.sampler.position,
                 "params": params_digest(model), "optimizer": optimizer_digest(opt),
                 "scale": None if scaler is None else scaler.get_scale(),
-                "generation": getattr(state, "generation", None), "time": time.time()}
+                "generation": getattr(state, "generation", None), "time": time.time(),
+                "restarts": RESTARTS}
 
     def commit():
         if args.commit_sleep:
@@ -328,6 +337,10 @@ def main():
                 time.sleep(slow_seconds)
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if state.step == args.kill_all_at_step and RESTARTS == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if state.step == args.raise_at_step:
+                    raise ValueError(f"a bug of the script's own at step {state.step}")
                 if hosts > 1 and state.step >= world_start + 2:
                     planned_kill(args.kill_plan, state.step, loader.is_optim_step(),
                                  world_started)
@@ -362,7 +375,8 @@ def main():
                                     "scale": None if scaler is None else scaler.get_scale(),
                                     "threads": torch.get_num_threads(),
                                     "threads_before": threads_before,
-                                    "cpus": len(os.sched_getaffinity(0))})
+                                    "cpus": len(os.sched_getaffinity(0)),
+                                    "restarts": RESTARTS})
                 if loader.is_optim_step():
                     state.step += 1
                 time.sleep(args.batch_seconds)
@@ -371,7 +385,8 @@ def main():
                     write_progress(state.step)
                     if not os.path.exists(out_path("committed")):
                         open(out_path("committed"), "w").close()
-                if state.step in args.wait_steps and state.step not in state.waited:
+                if state.step in args.wait_steps and state.step not in state.waited \
+                        and RESTARTS == 0:
                     state.waited = state.waited + [state.step]
                     # Hold still at this step until the driver's resize reaches us.
                     deadline = time.time() + args.hold_seconds
@@ -399,6 +414,8 @@ def main():
 
 
 worlds_seen = []   # this process's world sizes, one per attempt of the training function
+# Under hvd-adapt-run: which launch of the job this process belongs to (0: the first).
+RESTARTS = int(os.environ.get("HVD_ADAPT_RESTARTS", "0"))
 
 
 def kills_fired():
