@@ -29,7 +29,7 @@ def test_overhead():
     out = bench("overhead.py", "--model", "mlp-small,mlp-8m", "--steps", "10", "--warmup", "2",
                 "--rounds", "1", timeout=240)
     assert re.search(r"^overhead_ratio=[0-9.]+", out, re.M)
-    rows = re.findall(r"^ *(mlp-\S+) +(\d) +[0-9.]+ +[0-9.]+ +([0-9.]+) +([0-9.]+)-([0-9.]+) +[0-9.]+ "
+    rows = re.findall(r"^ *(mlp-\S+) +(\d) +1 +[0-9.]+ +[0-9.]+ +([0-9.]+) +([0-9.]+)-([0-9.]+) +[0-9.]+ "
                       r"+\d+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$", out, re.M)  # ... ledger ms, share
     assert [row[:2] for row in rows] == [("mlp-small", "1"), ("mlp-small", "2"), ("mlp-8m", "1"),
                                          ("mlp-8m", "2")], out

@@ -265,3 +265,24 @@ def test_tied_weights_are_copied_once_and_restore_tied():
     opt.step()
     state.restore()
     assert torch.equal(model[0].weight, committed["0.weight"]) and head.weight is embed.weight
+
+
+def test_a_step_a_grad_scaler_skips_then_an_ema_update_keeps_the_commit():
+    # The step pre-hook never runs when the scaler skips the step; the EMA's update after
+    # it is safe because the forward's end waited for the EMA's copies.
+    state, model, opt, ema = make_job()
+    scaler = torch.amp.GradScaler("cpu")
+    state2 = State(scaler=scaler)
+    step(model, opt, ema, 0)
+    state.commit()
+    state2.commit()
+    committed = everything(model, opt, ema)
+    x, y = batch(1)
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y) * float("inf")).backward()
+    scaler.step(opt)                 # skipped: the gradients are not finite
+    scaler.update()
+    ema.update(model)
+    assert opt.state_dict()["state"][0]["step"] == committed["opt"]["state"][0]["step"]
+    state.restore()
+    assert_bitwise(everything(model, opt, ema), committed)

@@ -2,32 +2,44 @@
 on the CPU, a side stream on CUDA), which are skipped as unchanged, and the check that each
 one holds the committed value before anything may write its source.
 
-Between a commit and the next optimizer step, the parameters and the optimizer's state
-are only read (forward and backward read the parameters; nothing reads the state), so
-they are copied while the next forward and backward run; every other tensor (BatchNorm's
-statistics change in the next forward, a GradScaler's scale, a scheduler's) is copied
-before ``commit()`` returns. The step waits for the copies (a step pre-hook on every
-optimizer the State carries, also a load_state_dict pre-hook on them and on every module),
-and so does anything that reads the snapshot or writes the live state (the next commit,
-a restore, a sync, a checkpoint).
+What writes the tensors of a State between a commit and the next one decides when each
+is copied:
 
-What may still write a copied tensor in that window (a parameter changed by hand before
-the step, an EMA updated before the step instead of after it) is found at the wait, not
-trusted: each deferred source must still be the same tensor at the same address with the
-same version counter (torch's count of in-place writes), and on the CPU a fingerprint of
-its values taken at the commit (a few elements spread over it, bit for bit) must be what
-the copy holds. Writes through ``.data`` (which has a version counter of its own) are
-seen only by the fingerprint, so only on the CPU. Either failure raises
-:class:`CommitCopyError` naming the value and the tensor: the snapshot is never silently
-a mix of two steps. A copy that itself failed (out of memory on the thread) is made again
-at the wait, from sources that the same check shows unchanged.
+- an optimizer's parameters and state: only its step, so their copies run during the
+  next forward and backward, and the step waits for them (a step pre-hook on every
+  optimizer the State carries);
+- other parameters (an EMA's copy of the model, frozen layers): an EMA's update after
+  the step, also after a step a GradScaler skipped, so their copies run during the next
+  forward, copied first, and the forward's end waits for them (a forward hook on every
+  module the State carries);
+- everything else (BatchNorm's statistics change in the next forward; a GradScaler's, a
+  scheduler's, a loader's state is small) before ``commit()`` returns.
+
+A ``load_state_dict`` of a carried module or optimizer waits for all of them, as does
+whatever reads the snapshot or writes the live state (the next commit, a restore, a
+sync, a checkpoint, ``State.wait_for_commit()``).
+
+What may still write a copied tensor in its window (a parameter changed by hand before
+the step, an EMA updated before the forward) is found at the wait, not trusted: each
+deferred source must still carry the version counter it had at the commit (torch's count
+of in-place writes; the source is held, so its address is its own), and on the CPU a
+fingerprint of its values taken at the commit (elements spread over it, bit for bit; a
+rotating share of the tensors each commit) must be what the copy holds. Writes through
+``.data`` (which has a version counter of its own) are seen only by the fingerprint, so
+only on the CPU, and only for the tensors fingerprinted that commit (every tensor within
+a few commits: a script that does it at every step is caught within a few steps).
+Either failure raises :class:`CommitCopyError` naming the value and the tensor: the
+snapshot is never silently a mix of two steps. A copy that itself failed (out of memory
+on the thread) is made again at the wait, from sources the same check shows unchanged.
 
 A tensor is skipped when its source is the one copied last time (same storage, shape and
-strides, held since, so its address cannot be another tensor's) with the same version
-counter and fingerprint: frozen parameters, an EMA updated every k steps, constant
-buffers. A write through ``.data`` that changes none of the fingerprint's elements is
-missed there; the fingerprint spreads over the whole tensor so that an update of every
-element (an optimizer's, an EMA's) cannot be.
+strides, held since) with the same version counter and fingerprint: frozen parameters,
+an EMA updated every k steps, constant buffers (on the CPU; on a device nothing is
+skipped, since reading values would wait for it, and copies there are cheap). A write
+through ``.data`` that changes none of the fingerprint's elements is missed there; the
+fingerprint spreads over the whole tensor so that an update of every element (an
+optimizer's, an EMA's) cannot be. Tied weights (one tensor under two names) are copied
+once.
 """
 import queue
 import threading
@@ -78,10 +90,8 @@ def _same_storage(a, b):
 
 
 def _copy_now(dst, src):
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        _copy_on_cpu(dst, src)
-    else:
-        dst.copy_(src, non_blocking=dst.device != src.device)
+    # On the training thread torch's copy is the one (its thread pool is that thread's).
+    dst.copy_(src, non_blocking=dst.is_cuda != src.is_cuda)
 
 
 def _copy_on_cpu(dst, src):
@@ -98,30 +108,34 @@ def _copy_on_cpu(dst, src):
 class _Copy:
     """One tensor of a commit: its buffer, its source, what the source was at the commit."""
 
-    __slots__ = ("dst", "src", "version", "print", "label")
+    __slots__ = ("dst", "src", "version", "print", "label", "on_cpu")
 
     def __init__(self, dst, src, label, check=False):
         self.dst, self.src, self.label = dst, src, label
         self.version = src._version
-        self.print = fingerprint(src) if check else None
+        self.on_cpu = not (dst.is_cuda or src.is_cuda)
+        self.print = fingerprint(src) if check and self.on_cpu else None
 
     def holds_commit(self):
         """The buffer holds the source's commit-time fingerprint (where one was taken)."""
         return self.print is None or np.array_equal(fingerprint(self.dst), self.print)
 
 
-class _Job:
-    """The copies one commit left for after it returned."""
+#: The phases of a commit's deferred copies, in the order they are made and waited for.
+FORWARD, STEP = 0, 1
+
+
+class _Phase:
+    """The copies a commit left for after it returned that one wait point needs."""
 
     def __init__(self, copies):
         self.copies = copies
-        self.cpu = [c for c in copies if c.dst.device.type == "cpu" and c.src.device.type == "cpu"]
-        self.device = [c for c in copies if not (c.dst.device.type == "cpu"
-                                                 and c.src.device.type == "cpu")]
+        self.cpu = [c for c in copies if c.on_cpu]
+        self.device = [c for c in copies if not c.on_cpu]
         self.done = threading.Event()
         self.failure = None
         self.checked = False   # waited for (the device's copies: ordered) and checked
-        self.event = None      # CUDA: recorded on the side stream after the device copies
+        self.event = None      # CUDA: recorded on the side stream after its device copies
 
 
 class CommitCopies:
@@ -135,24 +149,35 @@ class CommitCopies:
         self._records = {}        # id(dst) -> the _Copy that last filled dst
         self._filled = {}
         self._sources = {}        # this save's sources by storage -> the buffer they fill
-        self._later = None
+        self._later = None        # this save's deferred copies, by phase
+        self._step_written = ()
         self._turn = 0            # which deferred copies' fingerprints this commit checks
         self._stride = 1
-        self._job = None
+        self._phases = []         # the last commit's phases not yet waited for
+        self._device_now = False  # this save copied from or to a device before returning
+        self._host_events = []    # CUDA: what a host read of the snapshot must wait for
         self._queue = None
         self._stream = None
 
     # -- a commit --------------------------------------------------------------------
-    def begin(self, defer=True):
+    def begin(self, step_written=(), defer=True):
         """A save starts: the previous one's copies are finished and checked first.
-        ``defer=False``: this save makes every copy before it returns."""
-        self.wait()
-        self._later, self._filled, self._sources = ([] if defer else None), {}, {}
+        ``step_written``: storage addresses that only an optimizer step writes (its
+        parameters and state); ``defer=False``: this save makes every copy before it
+        returns."""
+        # Copies made since are ordered after these (the thread's are done and checked; on a
+        # device, its streams wait for them): no wait for the device.
+        self.wait(host=False)
+        self._phases = []
+        self._device_now = False
+        self._step_written = step_written
+        self._later = ([], []) if defer else None
+        self._filled, self._sources = {}, {}
 
     def copy(self, dst, src, label, deferred):
         """Fill ``dst`` from ``src`` for this commit: skipped where unchanged since ``dst``
-        was filled from it, else now, or after the commit returns where ``deferred`` (the
-        source is written only by an optimizer step)."""
+        was filled from it, else now, or after the commit returns where ``deferred``
+        (a parameter or an optimizer's state)."""
         src = src.detach()
         where = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device)
         if where in self._sources and src.data_ptr():
@@ -164,92 +189,97 @@ class CommitCopies:
             self._filled[id(dst)] = last
             return dst
         if deferred and self._later is not None:
-            check = src.device.type == "cpu" and \
-                (len(self._later) + self._turn) % self._stride == 0
+            phase = self._later[STEP if src.data_ptr() in self._step_written else FORWARD]
+            check = (len(phase) + self._turn) % self._stride == 0
             record = _Copy(dst, src, label, check)
-            self._later.append(record)
+            phase.append(record)
         else:
             record = _Copy(dst, src, label)
             _copy_now(dst, src)
+            self._device_now = self._device_now or not record.on_cpu
         self._filled[id(dst)] = record
         return dst
 
     @staticmethod
     def _unchanged(last, dst, src):
-        # Where reading values would wait for a device, nothing is skipped: copies there
-        # run on a side stream anyway.
-        return (last.dst is dst and src.device.type == "cpu" and _same_storage(last.src, src)
-                and src._version == last.version
+        return (last.dst is dst and last.on_cpu and not src.is_cuda
+                and _same_storage(last.src, src) and src._version == last.version
                 and np.array_equal(fingerprint(src), fingerprint(dst)))
 
     def launch(self):
-        """The save is done: start the deferred copies; forget buffers no longer in use."""
-        self._records, later, self._later = self._filled, self._later or [], None
-        self._sources = {}
+        """The save is done: start the deferred copies (the forward's first); forget
+        buffers no longer in use."""
+        self._records, later, self._later = self._filled, self._later or ([], []), None
+        self._sources, self._step_written = {}, ()
         self._turn += 1
-        self._stride = max(1, -(-len(later) // FINGERPRINTS_PER_COMMIT))
-        if not later:
-            return
-        job = _Job(later)
-        if job.device:
+        self._stride = max(1, -(-sum(map(len, later)) // FINGERPRINTS_PER_COMMIT))
+        phases = [_Phase(copies) for copies in later]
+        if self._device_now or any(phase.device for phase in phases):
+            self._host_events = [torch.cuda.Event()]
+            self._host_events[0].record()      # the copies made on the current stream
+        if any(phase.device for phase in phases):
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for c in job.device:
-                    c.dst.copy_(c.src, non_blocking=True)
-            job.event = torch.cuda.Event()
-            job.event.record(stream)
-        if job.cpu:
-            self._worker().put(job)
+                for phase in phases:
+                    for c in phase.device:
+                        c.dst.copy_(c.src, non_blocking=True)
+                    phase.event = torch.cuda.Event()
+                    phase.event.record(stream)
+            self._host_events.append(phases[-1].event)
+        if any(phase.cpu for phase in phases):
+            self._worker().put(phases)
         else:
-            job.done.set()
-        self._job = job
+            for phase in phases:
+                phase.done.set()
+        self._phases = phases if any(phase.copies for phase in phases) else []
 
     # -- waits -----------------------------------------------------------------------
     @property
     def pending(self):
-        return self._job is not None
+        return bool(self._phases or self._host_events)
 
-    def wait(self, host=True):
-        """Finish the last commit's deferred copies and check them. ``host=False`` (where
-        only the device's later work must come after them: before a step, after a forward)
-        orders that work after the device's copies without waiting for the device; a later
-        wait with ``host=True`` (before the snapshot is read) waits for it. Raises
-        :class:`CommitCopyError` if a source was written before its copy was made."""
-        job = self._job
-        if job is None:
+    def wait(self, until=STEP, host=True):
+        """Finish the last commit's deferred copies up to phase ``until`` (:data:`FORWARD`:
+        those of parameters no optimizer steps) and check them. ``host=False`` (at a
+        forward's end, before a step) orders the device's later work after its copies
+        without waiting for the device; a wait with ``host=True`` (before the snapshot is
+        read) waits for it. Raises :class:`CommitCopyError` if a source was written before
+        its copy was made."""
+        for phase in self._phases[:until + 1]:
+            if not phase.checked:
+                self._finish(phase)
+        if not host or until < STEP:
             return
-        if not job.checked:
-            self._finish(job)
-        if job.event is not None:
-            if not host:
-                return
-            job.event.synchronize()
-        self._job = None
+        for event in self._host_events:
+            event.synchronize()
+        self._host_events = []
+        self._phases = []
 
-    def _finish(self, job):
-        job.done.wait()
-        changed = [c for c in job.copies if c.src._version != c.version]
-        if job.failure is not None and not changed:
+    def _finish(self, phase):
+        phase.done.wait()
+        changed = [c for c in phase.copies if c.src._version != c.version]
+        if phase.failure is not None and not changed:
             # The thread failed part-way, and no source was written since the commit
             # (checked): the copies are made again here.
-            for c in job.cpu:
+            for c in phase.cpu:
                 _copy_now(c.dst, c.src)
         if not changed:
-            changed = [c for c in job.cpu if not c.holds_commit()]
+            changed = [c for c in phase.cpu if not c.holds_commit()]
         if changed:
-            self._job = None
+            self._phases = []
             self._records = {}
             names = ", ".join(c.label for c in changed[:5])
             more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
             raise CommitCopyError(
                 f"{names}{more} changed after state.commit() while the commit was copying it "
-                "(before the next forward ended or the optimizer stepped): the commit's copy "
-                "would mix two steps. Change it after the step (as an EMA's update does), or "
-                "before the commit, or call state.wait_for_commit() first")
-        job.checked = True
-        if job.event is not None:
-            torch.cuda.current_stream().wait_event(job.event)
+                "(until the next forward's end, or an optimizer's step for what it steps): "
+                "the commit's copy would mix two steps. Change it after the step (as an "
+                "EMA's update does), or before the commit, or call state.wait_for_commit() "
+                "first")
+        phase.checked = True
+        if phase.event is not None:
+            torch.cuda.current_stream().wait_event(phase.event)
 
     # -- where the copies run --------------------------------------------------------
     def _side_stream(self):
@@ -260,22 +290,23 @@ class CommitCopies:
     def _worker(self):
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=_copy_jobs, args=(self._queue,), daemon=True,
+            threading.Thread(target=_copy_phases, args=(self._queue,), daemon=True,
                              name="hvd_adapt-commit-copies").start()
             # The thread holds only its queue: it ends when these copies are collected.
             weakref.finalize(self, self._queue.put, None)
         return self._queue
 
 
-def _copy_jobs(jobs):
+def _copy_phases(jobs):
     while True:
-        job = jobs.get()
-        if job is None:
+        phases = jobs.get()
+        if phases is None:
             return
-        try:
-            for c in job.cpu:
-                _copy_on_cpu(c.dst, c.src)
-        except BaseException as e:     # made again, checked, at the wait
-            job.failure = e
-        finally:
-            job.done.set()
+        for phase in phases:
+            try:
+                for c in phase.cpu:
+                    _copy_on_cpu(c.dst, c.src)
+            except BaseException as e:     # made again, checked, at the wait
+                phase.failure = e
+            finally:
+                phase.done.set()

@@ -212,9 +212,8 @@ def register_handler(value_type, handler_cls):
     own, newest first. A checkpoint holds what ``value.state_dict()`` returns
     where the object has it, else the object itself.
 
-    >>> import threading, hvd_adapt
-    >>> from horovod.torch.elastic.sampler import ElasticSampler
-from horovod.torch.elastic.state import StateHandler
+    >>> import threading, hvd_adapt, horovod.torch as hvd
+    >>> from horovod.torch.elastic.state import StateHandler
     >>> class Counter:                       # a lock: neither picklable nor a state_dict
     ...     def __init__(self):
     ...         self.lock, self.count = threading.Lock(), 0

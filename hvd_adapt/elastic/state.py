@@ -36,7 +36,7 @@ from .._runtime.context import CONTEXT
 from .._runtime.threads import share_cpu_threads
 from ..accumulator import Accumulator, flush
 from . import agreement, checkpoint
-from .commit_copies import CommitCopies
+from .commit_copies import FORWARD, STEP, CommitCopies
 from .drain import Drain
 from .epoch import EpochCounter, check_epoch
 from .handlers import ModelHandler, handler_for, snapshot
@@ -244,13 +244,24 @@ class State(TorchState):
         or writes the live state wait for them, and check that no source was written
         before its copy was made (:class:`~hvd_adapt.elastic.commit_copies.CommitCopyError`
         otherwise)."""
-        self._copies.begin()
+        self._copies.begin(step_written=self._step_written())
         try:
             super().save()
         finally:
             self._copies.launch()
         internals.set_saved_values(self, {name: snapshot(value) for name, value
                                           in internals.saved_values(self).items()})
+
+    def _step_written(self):
+        """Storage addresses that only an optimizer step writes: the parameters and state of
+        every optimizer the State carries."""
+        written = set()
+        for handler in internals.handlers(self).values():
+            if isinstance(handler.value, torch.optim.Optimizer):
+                written.update(p.data_ptr() for group in handler.value.param_groups
+                               for p in group["params"])
+                written.update(handler.deferred())
+        return written
 
     def wait_for_commit(self):
         """Block until the last commit's copies are made (they run during the next forward),
@@ -609,10 +620,12 @@ def _wait_for_copies_before_writes(value, copies):
     leaves hooks that do nothing)."""
     ref = weakref.ref(copies)
 
-    def wait_on_device(*_):
-        found = ref()
-        if found is not None and found.pending:
-            found.wait(host=False)
+    def wait_on_device(until):
+        def hook(*_):
+            found = ref()
+            if found is not None and found.pending:
+                found.wait(until=until, host=False)
+        return hook
 
     def wait(*_):
         found = ref()
@@ -620,8 +633,8 @@ def _wait_for_copies_before_writes(value, copies):
             found.wait()
 
     if isinstance(value, torch.optim.Optimizer):
-        value.register_step_pre_hook(wait_on_device)
+        value.register_step_pre_hook(wait_on_device(STEP))
         value.register_load_state_dict_pre_hook(wait)
     elif isinstance(value, torch.nn.Module):
-        value.register_forward_hook(wait_on_device)
+        value.register_forward_hook(wait_on_device(FORWARD))
         value.register_load_state_dict_pre_hook(wait)
