@@ -201,7 +201,7 @@ class State(TorchState):
         self.epochs.commits += 1
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
-        self.save()
+        self._save(defer=True)
         failure = self._checkpoint_writer.failure() if env.rank() == 0 else None
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
                                self._host_updates())
@@ -235,16 +235,19 @@ class State(TorchState):
             raise HostsUpdatedInterrupt(votes.removed_only)
 
     def save(self):
-        """Snapshot every value: handlers' into their buffers, plain values as copies (Horovod
-        keeps plain values by reference, so an in-place change survived a restore).
+        """Snapshot every value now: handlers' into their buffers, plain values as copies
+        (Horovod keeps plain values by reference, so an in-place change survived a
+        restore)."""
+        self._save(defer=False)
 
-        The parameters' and optimizer state's copies are made while the next forward runs
-        (see ``commit_copies.py``): the end of a forward of each model, each optimizer's
-        step, each ``load_state_dict`` of them, and anything here that reads the snapshot
-        or writes the live state wait for them, and check that no source was written
-        before its copy was made (:class:`~hvd_adapt.elastic.commit_copies.CommitCopyError`
-        otherwise)."""
-        self._copies.begin(step_written=self._step_written())
+    def _save(self, defer):
+        # defer (a commit): the parameters' and optimizer state's copies are made while the
+        # next forward runs (see commit_copies.py): the end of a forward of each model, each
+        # optimizer's step, each load_state_dict of them, and anything here that reads the
+        # snapshot or writes the live state wait for them and check that no source was
+        # written before its copy was made (CommitCopyError otherwise). Other saves (at a
+        # sync, a loaded checkpoint) are followed by writes to the live state: made at once.
+        self._copies.begin(step_written=self._step_written(), defer=defer)
         try:
             super().save()
         finally:

@@ -45,10 +45,13 @@ opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e
 stats = hvd_adapt.Accumulator()
 state = hvd_adapt.State(model=model, optimizer=opt, stats=stats)
 # A step before the sync gives rank 1 optimizer state rank 0 does not have.
+# (Gradients assigned, not from a backward: a backward would average them with a rank that
+# runs none.)
 if rank == 1:
-    model(torch.randn(4, 4, dtype=dtype)).sum().backward()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
     opt.optimizer.step()
-    opt.zero_grad()
+    opt.optimizer.zero_grad()
 built = {"params": bits(model.state_dict()), "opt": optimizer_bits(opt)}
 state.sync()
 synced = {"params": bits(model.state_dict()), "opt": optimizer_bits(opt)}

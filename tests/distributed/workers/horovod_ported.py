@@ -173,7 +173,8 @@ if args.checkpoint and args.library == "hvd_adapt":
     state.load_checkpoint(args.checkpoint)
 train(state)
 values = {name: getattr(state, name) for name in
-          ("epoch", "batch", "commits", "rendezvous", "img_secs", "iter", "warm")
-          if hasattr(state, name)}
+          {"integration": ("epoch", "batch", "commits", "rendezvous"),
+           "mnist": ("epoch", "batch"),
+           "synthetic": ("batch", "img_secs", "iter", "warm")}[args.shape]}
 report({"params": [p.tolist() for p in model.parameters()], "values": values,
         "size": hvd.size(), "trained": trained}, hvd.rank())
