@@ -36,8 +36,8 @@ class Ema(torch.nn.Module):
 
 def make_job(frozen=False):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
-                                torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 36, 4))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.BatchNorm2d(64),
+                                torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64 * 36, 4))
     model[0].to(memory_format=torch.channels_last)
     if frozen:
         model[0].requires_grad_(False)
@@ -237,8 +237,8 @@ def test_what_did_not_change_is_not_copied_again_and_what_changed_through_data_i
     step(model, opt, ema, 1)
     state.commit()
     state.wait_for_commit()
-    frozen = {model[0].weight.data_ptr(), model[0].bias.data_ptr()}
-    assert not frozen & set(copied)
+    # (Its bias, 64 elements, is copied: cheaper than comparing.)
+    assert model[0].weight.data_ptr() not in copied
     assert model[4].weight.data_ptr() in copied
     # A write the version counter misses changes the fingerprint: copied at the next commit.
     model[0].weight.data.add_(1)

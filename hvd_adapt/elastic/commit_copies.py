@@ -57,6 +57,8 @@ FINGERPRINT_ELEMENTS = 16
 #: a script that writes a tensor through ``.data`` in that window at every step is caught
 #: within a few steps.
 FINGERPRINTS_PER_COMMIT = 32
+#: Tensors of up to this many elements are copied at every commit, never compared.
+SKIP_CHECKED_ABOVE = 1024
 
 
 class CommitCopyError(RuntimeError):
@@ -185,7 +187,9 @@ class CommitCopies:
             return self._sources[where]
         self._sources[where] = dst
         last = self._records.get(id(dst))
-        if last is not None and self._unchanged(last, dst, src):
+        # A small tensor costs less to copy than to compare.
+        if last is not None and src.numel() > SKIP_CHECKED_ABOVE \
+                and self._unchanged(last, dst, src):
             self._filled[id(dst)] = last
             return dst
         if deferred and self._later is not None:
