@@ -286,3 +286,15 @@ def test_a_step_a_grad_scaler_skips_then_an_ema_update_keeps_the_commit():
     assert opt.state_dict()["state"][0]["step"] == committed["opt"]["state"][0]["step"]
     state.restore()
     assert_bitwise(everything(model, opt, ema), committed)
+
+
+def test_a_parameter_holding_nan_is_not_taken_for_a_changed_one():
+    # Fingerprints compare bits: NaN != NaN as values, so a float16 model that overflowed
+    # raised CommitCopyError at every step.
+    state, model, opt, ema = make_job()
+    with torch.no_grad():
+        model[4].weight.fill_(float("nan"))
+    for seed in range(3):
+        step(model, opt, ema, seed)
+        state.commit()
+    state.wait_for_commit()

@@ -48,7 +48,6 @@ import weakref
 import numpy as np
 import torch
 
-from .._runtime.collective import bitwise_view
 
 #: Elements compared by a fingerprint (evenly spread over the tensor).
 FINGERPRINT_ELEMENTS = 16
@@ -65,10 +64,22 @@ class CommitCopyError(RuntimeError):
     """A tensor a commit copied after returning was written before its copy was made."""
 
 
+_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _integers(tensor):
+    """``tensor``'s bits as integers of its element size (NaN equal to itself, -0.0 not to
+    0.0: a fingerprint compares bits, not values)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor if not tensor.dtype.is_floating_point and tensor.dtype != torch.bool \
+        else tensor.view(_INTEGERS[tensor.element_size()])
+
+
 def _dense_flat(tensor):
     """``tensor``'s memory as a 1-D integer view, where it is dense in some order of its
     dimensions (contiguous, channels_last); None where it is not."""
-    bits = bitwise_view(tensor.detach())
+    bits = _integers(tensor.detach())
     if bits.is_contiguous():
         return bits.view(-1)
     order = sorted(range(bits.dim()), key=lambda d: (-bits.stride(d), -bits.size(d)))
@@ -81,7 +92,7 @@ def fingerprint(tensor):
     numpy array). CPU tensors only: on a device, reading them would wait for it."""
     flat = _dense_flat(tensor)
     if flat is None:
-        flat = bitwise_view(tensor.detach()).reshape(-1)
+        flat = _integers(tensor.detach()).reshape(-1)
     flat = flat.numpy()
     return flat[::max(flat.size // FINGERPRINT_ELEMENTS, 1)].copy()
 
@@ -104,7 +115,7 @@ def _copy_on_cpu(dst, src):
     if flat_dst is not None and flat_src is not None and dst.stride() == src.stride():
         np.copyto(flat_dst.numpy(), flat_src.numpy())
     else:
-        np.copyto(bitwise_view(dst).numpy(), bitwise_view(src.detach()).numpy())
+        np.copyto(_integers(dst).numpy(), _integers(src.detach()).numpy())
 
 
 class _Copy:

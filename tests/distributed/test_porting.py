@@ -53,23 +53,26 @@ def test_a_ported_scripts_epoch_is_checkpointed_and_resumed(tmp_path, loop, resu
 def test_the_ported_integration_script_survives_a_grow_and_a_shrink():
     out_dir = tempfile.mkdtemp(prefix="hvd_adapt_ported_")
     logfile = os.path.join(out_dir, "epochs.jsonl")
-    # Commits: 5 an epoch; a third worker from the 6th, gone again from the 14th.
+    # Commits: 5 an epoch; a third worker from the 6th, gone again from the 19th; each
+    # epoch's end takes 4 s (Horovod's script's --epoch-wait), so the new worker starts
+    # while the job still trains.
     script = discovery_script(out_dir, [(0, ["localhost:2"]), (6, ["localhost:3"]),
-                                        (14, ["localhost:2"])])
+                                        (19, ["localhost:2"])])
     command = [sys.executable, FAST_HOROVODRUN, "-np", "2", "--min-np", "2", "--max-np", "3",
                "--network-interface", "lo", "--host-discovery-script", script,
                sys.executable, os.path.join(WORKERS, "horovod_ported.py"), "--library",
-               "hvd_adapt", "--shape", "integration", "--epochs", "4", "--logfile", logfile]
-    job = run_job(command, out_dir=out_dir, timeout=240)
+               "hvd_adapt", "--shape", "integration", "--epochs", "6", "--epoch-wait", "4",
+               "--logfile", logfile]
+    job = run_job(command, out_dir=out_dir, timeout=300)
     job.check()
     with open(logfile) as f:
         lines = [json.loads(line) for line in f]
     # One line per epoch, each after its last batch, the commits counted as Horovod's test
     # counts them; the world grew to 3 and shrank to 2, with a rendezvous for each.
-    assert [e["epoch"] for e in lines] == [0, 1, 2, 3], lines
-    assert [e["commits"] for e in lines] == [4, 9, 14, 19], lines
+    assert [e["epoch"] for e in lines] == [0, 1, 2, 3, 4, 5], lines
+    assert [e["commits"] for e in lines] == [4, 9, 14, 19, 24, 29], lines
     assert 3 in [e["size"] for e in lines] and lines[-1]["size"] == 2, lines
     assert lines[-1]["rendezvous"] >= 3, lines
     final = job.reports[0]
-    assert final["values"]["epoch"] == 4 and final["values"]["commits"] == 20
+    assert final["values"]["epoch"] == 6 and final["values"]["commits"] == 30
     assert final["size"] == 2

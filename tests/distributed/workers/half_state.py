@@ -40,7 +40,7 @@ def optimizer_bits(opt):
 
 model = net(seed=rank)       # different on each rank until the sync
 # Moments in the parameters' dtype, as a model kept in half precision has them.
-opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+opt = hvd_adapt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4),
                                      named_parameters=model.named_parameters())
 stats = hvd_adapt.Accumulator()
 state = hvd_adapt.State(model=model, optimizer=opt, stats=stats)

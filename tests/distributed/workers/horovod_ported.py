@@ -19,6 +19,7 @@ Each rank reports its parameters and the State's values at the end.
 import argparse
 import json
 import os
+import time
 
 import horovod.torch as hvd
 import torch
@@ -33,6 +34,8 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batches-per-epoch", type=int, default=4)
 parser.add_argument("--batches-per-commit", type=int, default=1)
 parser.add_argument("--logfile", default=None)
+parser.add_argument("--epoch-wait", type=float, default=0.0,
+                    help="seconds each epoch's end takes (as Horovod's script has)")
 parser.add_argument("--checkpoint", default=None,
                     help="hvd_adapt only: resume from and save to this file between epochs")
 parser.add_argument("--epoch-loop", choices=["for", "remaining"], default="for",
@@ -102,6 +105,8 @@ if args.shape == "integration":
                     f.write(json.dumps({"epoch": state.epoch, "batch": state.batch,
                                         "commits": state.commits, "size": hvd.size(),
                                         "rendezvous": state.rendezvous}) + os.linesep)
+            if args.epoch_wait > 0:
+                time.sleep(args.epoch_wait)
             state.epoch += 1
             state.batch = 0
             state.commits += 1
