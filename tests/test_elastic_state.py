@@ -235,6 +235,7 @@ def test_commits_reuse_snapshot_buffers_and_restore_copies_them():
     momentum = state._handlers["optimizer"]._saved["state"][0]["momentum_buffer"]
     pointers = (saved.data_ptr(), momentum.data_ptr())
     train_steps(state, model, opt, loader, stats, 1)
+    state.wait_for_commit()          # its copies run during the next forward
     assert torch.equal(saved, model.weight) and saved.data_ptr() == pointers[0]
     assert torch.equal(momentum, opt.state[model.weight]["momentum_buffer"])
     assert momentum.data_ptr() == pointers[1]

@@ -169,12 +169,12 @@ class ModelHandler(StateDictHandler):
             [(f"hvd_adapt.model.{name}", t) for name, t in self.value.state_dict().items()
              if torch.is_tensor(t)], root_rank=0)
 
-    def align(self):
-        """Collective at a commit: take rank 0's buffers, where ``buffers_name`` says so."""
-        if self.buffers_name is not None:
-            collective.broadcast_tensors(
-                [(f"{self.buffers_name}.{name}", t) for name, t in self.value.named_buffers()],
-                root_rank=0)
+    def buffers_to_align(self):
+        """``(collective name, buffer)`` pairs that take rank 0's values at a commit, where
+        ``buffers_name`` says so (the State broadcasts every model's in one call)."""
+        if self.buffers_name is None:
+            return []
+        return [(f"{self.buffers_name}.{name}", t) for name, t in self.value.named_buffers()]
 
 
 class TorchOptimizerHandler(StateDictHandler):

@@ -195,9 +195,12 @@ class State(TorchState):
             return
         if self._accumulators:
             flush(self._accumulators)
-        for handler in internals.handlers(self).values():
-            if isinstance(handler, ModelHandler):
-                handler.align()
+        # Every model's buffers (a model's and its EMA's BatchNorm statistics) in one call:
+        # small ones travel packed, one broadcast per dtype.
+        collective.broadcast_tensors(
+            [pair for handler in internals.handlers(self).values()
+             if isinstance(handler, ModelHandler) for pair in handler.buffers_to_align()],
+            root_rank=0)
         self.epochs.commits += 1
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
