@@ -298,3 +298,30 @@ def test_a_parameter_holding_nan_is_not_taken_for_a_changed_one():
         step(model, opt, ema, seed)
         state.commit()
     state.wait_for_commit()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("to_host", [True, False], ids=["pinned-host", "on-device"])
+def test_on_cuda_the_copies_run_on_a_side_stream_and_a_failure_restores_the_commit(to_host):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64),
+                                torch.nn.Linear(64, 4)).cuda()
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    ema = Ema(model)
+    state = State(model=model, optimizer=opt, ema=ema, snapshot_to_host=to_host)
+
+    def cuda_step(seed):
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(8, 64, generator=gen).cuda(), torch.randint(0, 4, (8,)).cuda()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ema.update(model)
+
+    for seed in range(3):
+        cuda_step(seed)
+        state.commit()
+    committed = everything(model, opt, ema)
+    cuda_step(3)                     # the step waited for the copies on the device only
+    state.restore()
+    assert_bitwise(everything(model, opt, ema), committed)
