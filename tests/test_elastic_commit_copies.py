@@ -325,3 +325,24 @@ def test_on_cuda_the_copies_run_on_a_side_stream_and_a_failure_restores_the_comm
     cuda_step(3)                     # the step waited for the copies on the device only
     state.restore()
     assert_bitwise(everything(model, opt, ema), committed)
+
+
+def test_a_process_that_exits_while_its_copies_run_exits_cleanly(tmp_path):
+    # A daemon thread still copying while the interpreter finalised aborted the process
+    # ("terminate called without an active exception"): the exit waits for the copies.
+    import subprocess
+    import sys
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import torch, hvd_adapt\n"
+        "hvd_adapt.init()\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(48)])\n"
+        "opt = hvd_adapt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, "
+        "momentum=0.9))\n"
+        "s = hvd_adapt.State(model=m, optimizer=opt)\n"
+        "for _ in range(2):\n"
+        "    m(torch.randn(2, 1024)).sum().backward(); opt.step(); s.commit()\n")
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "terminate" not in proc.stderr, proc.stderr[-2000:]

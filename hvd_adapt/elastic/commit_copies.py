@@ -41,6 +41,7 @@ fingerprint spreads over the whole tensor so that an update of every element (an
 optimizer's, an EMA's) cannot be. Tied weights (one tensor under two names) are copied
 once.
 """
+import atexit
 import queue
 import threading
 import weakref
@@ -305,11 +306,21 @@ class CommitCopies:
     def _worker(self):
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=_copy_phases, args=(self._queue,), daemon=True,
-                             name="hvd_adapt-commit-copies").start()
-            # The thread holds only its queue: it ends when these copies are collected.
+            thread = threading.Thread(target=_copy_phases, args=(self._queue,), daemon=True,
+                                      name="hvd_adapt-commit-copies")
+            thread.start()
+            # The thread holds only its queue: it ends when these copies are collected, or
+            # at the interpreter's exit after its last copy (a daemon thread still copying
+            # while the interpreter finalises aborts the process: "terminate called without
+            # an active exception").
             weakref.finalize(self, self._queue.put, None)
+            atexit.register(_stop, self._queue, thread)
         return self._queue
+
+
+def _stop(jobs, thread):
+    jobs.put(None)
+    thread.join()
 
 
 def _copy_phases(jobs):
