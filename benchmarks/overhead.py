@@ -6,13 +6,20 @@ batch size, for each model asked for (``--model``): ``mlp-small``
 1024), batch 64), ``mlp-25m`` (6 x Linear(2048, 2048), batch 32) and
 ``transformer-24`` (24 pre-norm blocks of width 128 with separate q/k/v/o
 projections and a gated feed-forward: 434 parameter tensors, 4.0M
-parameters, batch 32 of 16 tokens). Small models hide communication costs;
+parameters, batch 32 of 16 tokens); and the models users bring
+(``user_models.py``): ``resnet18-ema`` (timm's resnet18 with ModelEmaV3 updated
+after every step, or torch-only stand-ins where timm does not install; SGD
+with momentum, batch 32 of 3x64x64) and ``gpt2`` (Hugging Face's GPT-2 from a
+4-layer config, tied embeddings, AdamW, a warm-up schedule, clipping; batch
+16 of 64 tokens). Small models hide communication costs;
 the large ones show whether gradients are averaged while backward still
 runs, as ``hvd.DistributedOptimizer`` does; the transformer shows the Python
 work done per parameter tensor (hooks, buckets, norms). The
 plain loop uses torch's DataLoader with a DistributedSampler
 and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
-hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()``. Each
+hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()`` every
+``--commit-every`` steps (default 1: every step, as the README's loop; the EMA and the
+schedule ride in the State); both do the same EMA update, clipping and schedule. Each
 process builds both loops once and runs them in alternating blocks of steps
 (a round: one block of each, the order flipped every round), and reports
 median step times after warm-up, the median over rounds of the ratio of the
@@ -23,7 +30,7 @@ at the step (``synchronize()`` after backward: the ledger's identity checks
 and the bitmask every rank agrees on), ``ledger_share`` its share of the
 hvd_adapt loop's median step.
 
-    python benchmarks/overhead.py [--model mlp-small,mlp-8m,mlp-25m] [--commit-every 10]
+    python benchmarks/overhead.py [--model mlp-small,mlp-8m,mlp-25m] [--commit-every 1]
                                   [--measure-noise] [--device auto|cpu|cuda]
 
 It also reports each loop's peak memory above the model's own (RSS on the
@@ -59,29 +66,68 @@ def worker(args):
     device = hvd_adapt.env.device(args.device)
     size = hvd.size()
     local_bsz = args.batch_size // size
-    width, depth = MODELS[args.model][:2]
     gen = torch.Generator().manual_seed(0)
-    # One pass over the data serves a loop's every step (warm-up and 2 a block
-    # more, with room for the loader's last short batch).
-    samples = local_bsz * size * (args.steps + 2 * args.rounds + args.warmup + 5)
-    shape = (samples, TOKENS, width) if args.model.startswith("transformer") else (samples, width)
-    data = TensorDataset(torch.randn(*shape, generator=gen),
-                         torch.randint(0, 10, (samples,), generator=gen))
+    user = args.model in USER_MODELS
+    if user:
+        sys.path.insert(0, os.path.dirname(HERE))
+        import user_models
+        # Eight batches a pass, passes repeated: images are too large to hold every step's.
+        build = getattr(user_models, USER_MODELS[args.model])
+        x, y = build()[2](local_bsz * size * 8, gen)
+        data = TensorDataset(x, y)
+    else:
+        width, depth = MODELS[args.model][:2]
+        # One pass over the data serves a loop's every step (warm-up and 2 a block
+        # more, with room for the loader's last short batch).
+        samples = local_bsz * size * (args.steps + 2 * args.rounds + args.warmup + 5)
+        shape = (samples, TOKENS, width) if args.model.startswith("transformer") \
+            else (samples, width)
+        data = TensorDataset(torch.randn(*shape, generator=gen),
+                             torch.randint(0, 10, (samples,), generator=gen))
 
-    def model_and_sgd():
+    def training():
+        """(model, optimizer, extras, loss, after_step): the same recipe for both loops;
+        ``extras`` are the values a State carries besides model and optimizer."""
         torch.manual_seed(0)
+        if user:
+            model, ema, _, loss = build()
+            model = model.to(device)
+            if ema is not None:
+                ema = ema.to(device)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                      weight_decay=5e-5)
+                extras = {"ema": ema}
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+                extras = {}
+
+            def after_step():
+                if ema is not None:
+                    ema.update(model)
+                else:
+                    # The warm-up schedule, on the optimizer the loop steps.
+                    for group in opt.param_groups:
+                        group["lr"] = 3e-4 * min(1.0, (after_step.steps + 1) / 100)
+                    after_step.steps += 1
+            after_step.steps = 0
+            return model, opt, extras, loss, after_step
         if args.model.startswith("transformer"):
             model = Transformer(width, depth).to(device)
-            return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if args.model == "mlp-small":
-            layers = [torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                      torch.nn.ReLU(), torch.nn.Linear(512, 10)]
+        elif args.model == "mlp-small":
+            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                        torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                        torch.nn.Linear(512, 10)).to(device)
         else:
             layers = [m for _ in range(depth)
                       for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
             layers.append(torch.nn.Linear(width, 10))
-        model = torch.nn.Sequential(*layers).to(device)
-        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            model = torch.nn.Sequential(*layers).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return model, opt, {}, lambda m, x, y: F.cross_entropy(m(x), y), lambda: None
+
+    def passes(loader):
+        while True:
+            yield from loader
 
     def step_ends(batches, step, ends_step=lambda: True):
         """The time at the end of each optimizer step, one per ``next()``: ``step(i, x, y)``
@@ -99,7 +145,7 @@ def worker(args):
             yield time.perf_counter()
 
     def plain():
-        model, sgd = model_and_sgd()
+        model, sgd, _, loss_of, after_step = training()
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         loader = DataLoader(data, batch_size=local_bsz,
@@ -108,35 +154,46 @@ def worker(args):
 
         def step(i, x, y):
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of(model, x, y)
             loss.backward()
-            opt.step()
+            if user:
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+            after_step()
             total[0] += loss.item()
-        return step_ends(loader, step)
+        return step_ends(passes(loader), step)
 
     def adaptive():
-        model, sgd = model_and_sgd()
-        opt = hvd_adapt.DistributedOptimizer(sgd, measure_noise=args.measure_noise)
+        model, sgd, extras, loss_of, after_step = training()
+        opt = hvd_adapt.DistributedOptimizer(sgd, measure_noise=args.measure_noise,
+                                             named_parameters=model.named_parameters())
         loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=args.batch_size, shuffle=True)
         stats = hvd_adapt.Accumulator()
-        state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats)
+        state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats, **extras)
         state.sync()
 
         def step(i, x, y):
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of(model, x, y)
             loss.backward()
             # The ledger's check at the step (identities, the agreed bitmask), timed
             # alone: synchronize() does what step() would, skip_synchronize() the rest.
             started = time.perf_counter()
             opt.synchronize()
             ledger.append(time.perf_counter() - started)
+            if user:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with opt.skip_synchronize():
                 opt.step()
+            after_step()
             stats["loss"] += loss.item()
             if i % args.commit_every == 0 and loader.is_optim_step():
                 state.commit()
-        return step_ends(loader, step, loader.is_optim_step)
+        return step_ends(passes(loader), step, loader.is_optim_step)
 
     loops = {"plain": plain, "hvd_adapt": adaptive}
     ledger = []
@@ -197,7 +254,10 @@ def median_interval(values, level=0.9, resamples=2000):
 
 # name: (width, depth, global batch, timed steps, rounds)
 MODELS = {"mlp-small": (256, 2, 64, 1200, 12), "mlp-8m": (1024, 8, 64, 320, 32),
-          "mlp-25m": (2048, 6, 32, 160, 16), "transformer-24": (128, 24, 32, 240, 24)}
+          "mlp-25m": (2048, 6, 32, 160, 16), "transformer-24": (128, 24, 32, 240, 24),
+          "resnet18-ema": (None, None, 32, 160, 16), "gpt2": (None, None, 16, 160, 16)}
+# The models users bring: the builder in user_models.py of each.
+USER_MODELS = {"resnet18-ema": "resnet18_ema", "gpt2": "gpt2"}
 TOKENS = 16
 
 
@@ -282,7 +342,8 @@ def main(argv=None):
                         help="alternations of the two loops (evens out drift on a shared machine)")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
     parser.add_argument("--memory-of", choices=["plain", "hvd_adapt"], help=argparse.SUPPRESS)
-    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--commit-every", type=int, default=1,
+                        help="the hvd_adapt loop commits every N steps (default 1: every step)")
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--measure-noise", action="store_true",
                         help="the hvd_adapt loop measures the gradient noise scale too")
@@ -299,7 +360,7 @@ def main(argv=None):
     for name in models:
         if name not in MODELS:
             parser.error(f"--model {name!r} is not one of {', '.join(MODELS)}")
-    print(f"{'model':>9} {'procs':>5} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
+    print(f"{'model':>14} {'procs':>5} {'commit_every':>12} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
           f"{'90% interval':>13} {'mean_ratio':>10} {'steps':>6} {'plain_MiB':>9} "
           f"{'hvd_adapt_MiB':>13} {'ledger_ms':>9} {'ledger_share':>12}")
     worst = 0.0
@@ -325,11 +386,12 @@ def main(argv=None):
             mean_ratio = r["hvd_adapt_mean"] / r["plain_mean"]
             low, high = r["ratio_interval"]
             interval = f"{low:.3f}-{high:.3f}"
-            print(f"{name:>9} {np_:>5} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} "
+            print(f"{name:>14} {np_:>5} {args.commit_every:>12} {r['plain'] * 1e3:>9.3f} {r['hvd_adapt'] * 1e3:>13.3f} "
                   f"{ratio:>6.3f} {interval:>13} {mean_ratio:>10.3f} {r['steps']:>6} "
                   f"{mem['plain']:>9.1f} {mem['hvd_adapt']:>13.1f} {r['ledger'] * 1e3:>9.3f} "
                   f"{r['ledger_share']:>12.4f}", flush=True)
-            rows.append({"model": name, "procs": np_, "plain_ms": r["plain"] * 1e3,
+            rows.append({"model": name, "procs": np_, "commit_every": args.commit_every,
+                         "plain_ms": r["plain"] * 1e3,
                          "hvd_adapt_ms": r["hvd_adapt"] * 1e3, "ratio": ratio,
                          "interval": [low, high], "mean_ratio": mean_ratio, "steps": r["steps"],
                          "plain_mib": mem["plain"], "hvd_adapt_mib": mem["hvd_adapt"],

@@ -35,6 +35,7 @@ _EXPORTS = {
     "fit_perf_params": "hvd_adapt.goodput",
     "State": "hvd_adapt.elastic.state",
     "CheckpointError": "hvd_adapt.elastic.checkpoint",
+    "CommitCopyError": "hvd_adapt.elastic.commit_copies",
     "register_handler": "hvd_adapt.elastic.handlers",
     "run": "hvd_adapt.elastic.run",
     "Drain": "hvd_adapt.elastic.drain",

@@ -106,20 +106,82 @@ def in_place_view(tensor):
     return tensor.contiguous(), True
 
 
+# What Horovod 0.28 carries (horovod/torch/adapter_v2.cc); tensors of any other dtype
+# (bfloat16, bool, complex, float8, unsigned 16-64 bit) travel as the integers of their bits.
+_HOROVOD_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                   torch.float16, torch.float32, torch.float64)
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Tensors smaller than this travel packed with others of their kind (one collective for a
+#: model's BatchNorm statistics instead of one per buffer); larger ones alone.
+PACK_BYTES = 4 << 20
+
+
+def bitwise_view(tensor):
+    """A view of ``tensor`` (sharing its memory) in a dtype Horovod carries, holding the same
+    bits: ``tensor`` itself where Horovod takes its dtype, else integers of the same size
+    (bfloat16 as int16, bool as uint8, complex64 as int64, complex128 as pairs of int64).
+    The one place hvd_adapt converts dtypes for Horovod; only for copies (broadcasts,
+    gathers), never for arithmetic.
+
+    >>> bitwise_view(torch.tensor([1.5], dtype=torch.bfloat16)).dtype
+    torch.int16
+    """
+    if tensor.dtype in _HOROVOD_DTYPES:
+        return tensor
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+        if tensor.dtype in _HOROVOD_DTYPES:
+            return tensor
+    return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
+
+
 def broadcast_tensors(named_tensors, root_rank=0):
-    """Collective: every ``(name, tensor)`` takes ``root_rank``'s values, in place, whatever its
-    memory layout (Horovod's ``broadcast_parameters`` refuses a channels_last parameter)."""
+    """Collective: every ``(name, tensor)`` takes ``root_rank``'s values, in place and bit for
+    bit, whatever its dtype (see :func:`bitwise_view`) or memory layout (Horovod's
+    ``broadcast_parameters`` refuses a channels_last parameter and a bfloat16 one). Small
+    tensors of one dtype and device travel packed together (:data:`PACK_BYTES`); every rank
+    must pass the same names, shapes and dtypes in the same order, so every rank packs alike."""
     if hvd.size() == 1:
         return
-    handles = []
+    root = hvd.rank() == root_rank
+    in_flight, packs = [], {}
+
+    def send(name, wire, members):
+        in_flight.append((hvd.broadcast_async_(wire, root_rank=root_rank, name=name), wire,
+                          members))
+
+    def send_pack(key):
+        names, members, size = packs.pop(key)
+        wires = [wire for _, wire, _ in members]
+        flat = torch.cat([w.reshape(-1) for w in wires]) if root else \
+            torch.empty(size, dtype=wires[0].dtype, device=wires[0].device)
+        send(f"{names[0]}+{len(names)}", flat, members)
+
     for name, tensor in named_tensors:
-        view, copied = in_place_view(tensor.view(-1) if tensor.dim() == 0 else tensor)
-        handles.append((hvd.broadcast_async_(view, root_rank=root_rank, name=name), tensor,
-                        view, copied))
-    for handle, tensor, view, copied in handles:
+        bits = bitwise_view(tensor.view(-1) if tensor.dim() == 0 else tensor)
+        wire, copied = in_place_view(bits)
+        member = (bits, wire, copied)
+        if wire.numel() * wire.element_size() >= PACK_BYTES:
+            send(name, wire, [member])
+            continue
+        key = (wire.dtype, wire.device)
+        names, members, size = packs.setdefault(key, ([], [], 0))
+        names.append(name)
+        members.append(member)
+        packs[key] = (names, members, size + wire.numel())
+        if (size + wire.numel()) * wire.element_size() >= PACK_BYTES:
+            send_pack(key)
+    for key in list(packs):
+        send_pack(key)
+    for handle, flat, members in in_flight:
         hvd.synchronize(handle)
-        if copied:
-            tensor.copy_(view)
+        start = 0
+        for bits, wire, copied in members:
+            if flat is not wire:
+                wire.copy_(flat[start:start + wire.numel()].view_as(wire))
+                start += wire.numel()
+            if copied:
+                bits.copy_(wire)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):

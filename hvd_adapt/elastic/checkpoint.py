@@ -17,6 +17,7 @@ the target moves to ``<path>.previous``. Where the newest file is damaged
 one with a warning naming the damaged file (:func:`newest_good`,
 :func:`read_newest`).
 """
+import collections
 import contextlib
 import fcntl
 import io
@@ -138,7 +139,7 @@ class CheckpointWriter:
             if background:
                 return
             self.wait()
-        payload = dict(payload, format=FORMAT, generation=generation)
+        payload = dict(_one_dtype_per_storage(payload), format=FORMAT, generation=generation)
         self._path = path
         if not background:
             # Straight into the file: no second copy of the state in memory.
@@ -192,6 +193,54 @@ class CheckpointWriter:
         error, self._error = self._error, None
         if error is not None:
             raise self._error_for(error) from error
+
+
+def _one_dtype_per_storage(payload):
+    """``payload`` where no storage is viewed by tensors of two dtypes: torch.save refuses that
+    ("Cannot save multiple tensors or storages that view the same data as different
+    types"), and optimizer state mapped from one file holds bfloat16 moments beside
+    float32 step counts. In each such storage the dtype holding most bytes stays a view
+    (a large state on disk is not read into memory); the others are copied."""
+    tensors = []
+    _collect_tensors(payload, tensors)
+    by_storage = {}
+    for t in tensors:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    copied = {}
+    for group in by_storage.values():
+        sizes = {}
+        for t in group:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel() * t.element_size()
+        if len(sizes) > 1:
+            kept = max(sizes, key=sizes.get)
+            copied.update((id(t), t.clone()) for t in group if t.dtype != kept)
+    return _replace_tensors(payload, copied) if copied else payload
+
+
+def _collect_tensors(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_tensors(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_tensors(v, out)
+
+
+def _replace_tensors(value, copies):
+    if isinstance(value, torch.Tensor):
+        return copies.get(id(value), value)
+    if isinstance(value, dict):
+        out = type(value)((k, _replace_tensors(v, copies)) for k, v in value.items()) \
+            if type(value) in (dict, collections.OrderedDict) \
+            else {k: _replace_tensors(v, copies) for k, v in value.items()}
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_tensors(v, copies) for v in value)
+    return value
 
 
 def _numpy_globals():

@@ -15,6 +15,13 @@ from .._runtime.context import CONTEXT
 from .participant import Participant
 
 
+def check_epoch(value):
+    """``value`` as an epoch (an int >= 0), or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"an epoch is an int >= 0, got {value!r}")
+    return int(value)
+
+
 class EpochCounter(Participant):
     """Where the job is: its epoch and its number of commits (the generation a checkpoint
     records), and whether it resumed from a checkpoint; saved, restored and synced as part

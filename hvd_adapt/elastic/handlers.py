@@ -11,6 +11,7 @@ import collections
 import copy
 
 import torch
+from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.elastic.state import StateHandler
 
 from .._runtime import collective
@@ -20,15 +21,18 @@ from .participant import Participant
 _IMMUTABLE = (int, float, bool, str, type(None))
 
 
-def snapshot(value, previous=None, to_host=False):
+def snapshot(value, previous=None, to_host=False, copies=None, deferred=(), label=""):
     """A copy of ``value`` (nested dicts, lists and tuples of tensors and plain values).
 
     Tensors are copied into the buffers of ``previous`` (the last snapshot)
     where shape, dtype and device match, so a commit costs a memory copy
     rather than the allocations and bookkeeping of ``copy.deepcopy``. With
     ``to_host``, GPU tensors are copied into page-locked host memory instead
-    (a commit then holds no second copy on the GPU), without waiting for the
-    device: the copy is ordered before the next step's work on its stream.
+    (a commit then holds no second copy on the GPU). With ``copies`` (a
+    :class:`~hvd_adapt.elastic.commit_copies.CommitCopies`, during a commit)
+    the copies go through it: skipped where unchanged, and made after the
+    commit returns for tensors whose storage address is in ``deferred``
+    (what only an optimizer step writes); ``label`` names the value in errors.
 
     >>> import torch
     >>> first = snapshot({"w": torch.zeros(2), "step": 1})
@@ -42,17 +46,23 @@ def snapshot(value, previous=None, to_host=False):
         device = torch.device("cpu") if to_host and value.is_cuda else value.device
         if isinstance(previous, torch.Tensor) and previous.shape == value.shape \
                 and previous.dtype == value.dtype and previous.device == device:
-            return previous.copy_(value.detach(), non_blocking=device != value.device)
-        if device != value.device:
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            return host.copy_(value.detach(), non_blocking=True)
-        return value.detach().clone()
+            dst = previous
+        elif device != value.device:
+            dst = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        else:
+            dst = torch.empty_like(value.detach())     # the source's strides (channels_last)
+        if copies is None:
+            return dst.copy_(value.detach(), non_blocking=device != value.device)
+        return copies.copy(dst, value, label, value.data_ptr() in deferred)
     if type(value) in (dict, collections.OrderedDict):
         before = previous if isinstance(previous, dict) else {}
-        out = type(value)((k, snapshot(v, before.get(k), to_host)) for k, v in value.items())
+        out = type(value)((k, snapshot(v, before.get(k), to_host, copies, deferred,
+                                       f"{label}[{k!r}]"))
+                          for k, v in value.items())
         if hasattr(value, "_metadata"):
             # Module.state_dict() keeps per-module versions here for load_state_dict.
-            out._metadata = copy.deepcopy(value._metadata)
+            kept = getattr(previous, "_metadata", None)
+            out._metadata = kept if kept == value._metadata else copy.deepcopy(value._metadata)
         return out
     if type(value) in (list, tuple):
         if all(type(v) in _IMMUTABLE for v in value):
@@ -61,21 +71,28 @@ def snapshot(value, previous=None, to_host=False):
             return value if type(value) is tuple else list(value)
         before = previous if type(previous) is type(value) and len(previous) == len(value) \
             else [None] * len(value)
-        return type(value)(snapshot(v, p, to_host) for v, p in zip(value, before))
+        return type(value)(snapshot(v, p, to_host, copies, deferred, f"{label}[{i}]")
+                           for i, (v, p) in enumerate(zip(value, before)))
     return copy.deepcopy(value)
 
 
 class StateDictHandler(StateHandler):
-    """For objects with ``state_dict()``/``load_state_dict()``: snapshot, restore, rank-0 sync.
+    """For any object with ``state_dict()``/``load_state_dict()`` (schedulers of torch, timm
+    and transformers, EMA helpers, samplers, GradScalers): snapshot, restore, rank-0 sync.
 
     ``light`` handlers hold little (positions, counters, choices) and are
     synced again after every reset; the others (models, optimizers) only
-    when Horovod syncs.
+    when Horovod syncs. The State sets ``name`` (the value's name in it, for
+    errors), ``to_host`` and ``copies`` (its commits' copies, see
+    ``commit_copies.py``).
     """
 
     light = True
     #: Snapshot GPU tensors into host memory (the State sets it; on by default with CUDA).
     to_host = False
+    #: The State's :class:`~hvd_adapt.elastic.commit_copies.CommitCopies` (None: copy at once).
+    copies = None
+    name = "value"
 
     def __init__(self, value):
         super().__init__(value)
@@ -83,7 +100,13 @@ class StateDictHandler(StateHandler):
         self.save()
 
     def save(self):
-        self._saved = snapshot(self.value.state_dict(), self._saved, self.to_host)
+        self._saved = snapshot(self.value.state_dict(), self._saved, self.to_host, self.copies,
+                               self.deferred(), self.name)
+
+    def deferred(self):
+        """Storage addresses of the tensors of this value that only an optimizer step writes
+        (their copies may finish after the commit returns)."""
+        return ()
 
     def restore(self):
         self.value.load_state_dict(copy.deepcopy(self._saved))
@@ -96,6 +119,12 @@ class StateDictHandler(StateHandler):
         return self._saved
 
 
+def _optimizer_state(optimizer):
+    """Storage addresses of a torch optimizer's state tensors (moments, step counts)."""
+    return {t.data_ptr() for per_param in optimizer.state.values() for t in per_param.values()
+            if torch.is_tensor(t)}
+
+
 class ParticipantHandler(StateDictHandler):
     """For hvd_adapt's own objects: each says how it syncs and whether it is light."""
 
@@ -104,7 +133,13 @@ class ParticipantHandler(StateDictHandler):
         self.light = value.sync_after_every_reset
 
     def save(self):
-        self._saved = snapshot(self.value.commit_state(), self._saved, self.to_host)
+        self._saved = snapshot(self.value.commit_state(), self._saved, self.to_host, self.copies,
+                               self.deferred(), self.name)
+
+    def deferred(self):
+        if isinstance(self.value, torch.optim.Optimizer):
+            return _optimizer_state(self.value)
+        return ()
 
     def saved_state(self):
         return self.value.checkpoint_state(self._saved)
@@ -117,29 +152,38 @@ class ModelHandler(StateDictHandler):
     """A torch module: parameters and buffers broadcast from rank 0 as tensors; with
     ``buffers_name`` set (the State's ``broadcast_buffers``), its buffers also at every
     commit, as DDP's ``broadcast_buffers`` does at every forward: BatchNorm's running
-    statistics, computed from each replica's own shard, would otherwise drift apart."""
+    statistics, computed from each replica's own shard, would otherwise drift apart.
+    Its parameters' copies may finish after a commit returns (an optimizer's step or an
+    EMA's update writes them, after the next forward); its buffers' are made at once
+    (BatchNorm's change in the next forward)."""
 
     light = False
     #: The collective names' prefix of the buffers broadcast at each commit; None: none are.
     buffers_name = None
+
+    def deferred(self):
+        return {p.data_ptr() for p in self.value.parameters()}
 
     def sync(self):
         collective.broadcast_tensors(
             [(f"hvd_adapt.model.{name}", t) for name, t in self.value.state_dict().items()
              if torch.is_tensor(t)], root_rank=0)
 
-    def align(self):
-        """Collective at a commit: take rank 0's buffers, where ``buffers_name`` says so."""
-        if self.buffers_name is not None:
-            collective.broadcast_tensors(
-                [(f"{self.buffers_name}.{name}", t) for name, t in self.value.named_buffers()],
-                root_rank=0)
+    def buffers_to_align(self):
+        """``(collective name, buffer)`` pairs that take rank 0's values at a commit, where
+        ``buffers_name`` says so (the State broadcasts every model's in one call)."""
+        if self.buffers_name is None:
+            return []
+        return [(f"{self.buffers_name}.{name}", t) for name, t in self.value.named_buffers()]
 
 
 class TorchOptimizerHandler(StateDictHandler):
     """A torch optimizer not wrapped by hvd_adapt: state broadcast without a step."""
 
     light = False
+
+    def deferred(self):
+        return _optimizer_state(self.value)
 
     def sync(self):
         collective.broadcast_optimizer_state(self.value)
@@ -159,17 +203,51 @@ _BUILTIN = [
 def register_handler(value_type, handler_cls):
     """Let :class:`hvd_adapt.State` carry values of ``value_type`` with ``handler_cls``.
 
-    ``handler_cls`` is a Horovod ``StateHandler`` subclass. Registered types
-    are looked up before hvd_adapt's and Horovod's own, newest first.
+    Objects with ``state_dict()`` and ``load_state_dict()`` need no handler:
+    the State saves, restores, syncs and checkpoints them through those. A
+    handler is for a type that has neither and cannot be pickled, or that
+    must sync otherwise. ``handler_cls`` is a Horovod ``StateHandler``
+    subclass (``save()``, ``restore()``, ``sync()``; ``self.value`` is the
+    object); registered types are looked up before hvd_adapt's and Horovod's
+    own, newest first. A checkpoint holds what ``value.state_dict()`` returns
+    where the object has it, else the object itself.
+
+    >>> import threading, hvd_adapt, horovod.torch as hvd
+    >>> from horovod.torch.elastic.state import StateHandler
+    >>> class Counter:                       # a lock: neither picklable nor a state_dict
+    ...     def __init__(self):
+    ...         self.lock, self.count = threading.Lock(), 0
+    >>> class CounterHandler(StateHandler):
+    ...     def save(self):
+    ...         self.saved = self.value.count
+    ...     def restore(self):
+    ...         self.value.count = self.saved
+    ...     def sync(self):
+    ...         self.value.count = hvd.broadcast_object(self.value.count, root_rank=0)
+    >>> hvd_adapt.register_handler(Counter, CounterHandler)
+    >>> hvd_adapt.init()
+    >>> counter = Counter()
+    >>> state = hvd_adapt.State(counter=counter)
+    >>> counter.count = 3; state.commit(); counter.count = 7; state.restore(); counter.count
+    3
     """
     if not (isinstance(handler_cls, type) and issubclass(handler_cls, StateHandler)):
         raise ValueError(f"handler_cls must be a horovod StateHandler subclass, got {handler_cls!r}")
     CONTEXT.handlers.insert(0, (value_type, handler_cls))
 
 
+def _has_state_dict(value):
+    return callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
+
+
 def handler_for(value):
-    """A handler for ``value`` from the registry, or None to leave it to Horovod."""
+    """A handler for ``value``: from the registry, else for its
+    ``state_dict()``/``load_state_dict()``, else None (a plain value, or one of Horovod's
+    own types, such as its ElasticSampler, which Horovod's registry carries)."""
     for value_type, handler_cls in CONTEXT.handlers + _BUILTIN:
         if isinstance(value, value_type):
             return handler_cls(value)
-    return None
+    if isinstance(value, ElasticSampler) or isinstance(value, type) or not _has_state_dict(value):
+        return None
+    return StateDictHandler(value)

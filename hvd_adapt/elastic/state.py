@@ -22,6 +22,8 @@ import gc
 import io
 import logging
 import os
+import pickle
+import weakref
 
 import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
@@ -33,14 +35,13 @@ from .._runtime import horovod_internals as internals
 from .._runtime.context import CONTEXT
 from .._runtime.threads import share_cpu_threads
 from . import agreement, checkpoint
+from .commit_copies import FORWARD, STEP, CommitCopies
 from .drain import Drain
-from .epoch import EpochCounter
+from .epoch import EpochCounter, check_epoch
 from .handlers import ModelHandler, handler_for, snapshot
 from .participant import Participant
 
 log = logging.getLogger(__name__)
-
-_RESERVED = ("epochs", "epoch")
 
 
 class State(TorchState):
@@ -81,27 +82,36 @@ class State(TorchState):
 
     def __init__(self, model=None, optimizer=None, snapshot_to_host=None, broadcast_buffers=True,
                  **kwargs):
-        for name in _RESERVED:
-            if name in kwargs:
-                raise ValueError(f"State reserves the name {name!r} for its epoch counter; "
-                                 "call that value something else")
+        counter = EpochCounter()
+        if "epoch" in kwargs:
+            # Horovod's examples keep the epoch as a plain value (State(..., epoch=0)); here
+            # it is the epoch counter's, which epoch loops and checkpoints share.
+            counter.epoch = check_epoch(kwargs.pop("epoch"))
+        for name in kwargs:
+            _check_name(name)
         kwargs.update(model=model, optimizer=optimizer)
-        kwargs["epochs"] = EpochCounter()
+        kwargs["epochs"] = counter
         ours = {}
         for name in list(kwargs):
-            handler = handler_for(kwargs[name])
+            handler = _handler(name, kwargs[name])
             if handler is not None:
                 ours[name] = handler
                 del kwargs[name]
         if snapshot_to_host is None:
             snapshot_to_host = torch.cuda.is_available()
         check_bool("broadcast_buffers", broadcast_buffers)
+        self._copies = CommitCopies()
+        self._copies.begin(defer=False)
         for name, handler in ours.items():
             # Commits of GPU tensors to page-locked host memory, not a second GPU copy.
             handler.to_host = bool(snapshot_to_host)
+            handler.name = name
+            handler.copies = self._copies
             if broadcast_buffers and isinstance(handler, ModelHandler):
                 handler.buffers_name = f"hvd_adapt.buffers.{name}"
             handler.save()
+            _wait_for_copies_before_writes(handler.value, self._copies)
+        self._copies.launch()
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
         internals.check_state(self)
@@ -139,8 +149,14 @@ class State(TorchState):
 
     @property
     def epoch(self):
-        """The current epoch of ``remaining_epochs_until``."""
+        """The current epoch: that of ``remaining_epochs_until``, or the one a Horovod-style
+        loop assigns (``for state.epoch in range(state.epoch, epochs)``). Committed, restored,
+        synced and checkpointed with the State."""
         return self.epochs.epoch
+
+    @epoch.setter
+    def epoch(self, value):
+        self.epochs.epoch = check_epoch(value)
 
     @property
     def generation(self):
@@ -181,13 +197,16 @@ class State(TorchState):
         if not self.at_optim_boundary():
             return
         self._settle()
-        for handler in internals.handlers(self).values():
-            if isinstance(handler, ModelHandler):
-                handler.align()
+        # Every model's buffers (a model's and its EMA's BatchNorm statistics) in one call:
+        # small ones travel packed, one broadcast per dtype.
+        collective.broadcast_tensors(
+            [pair for handler in internals.handlers(self).values()
+             if isinstance(handler, ModelHandler) for pair in handler.buffers_to_align()],
+            root_rank=0)
         self.epochs.commits += 1
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
-        self.save()
+        self._save(defer=True)
         failure = self._checkpoint_writer.failure() if env.rank() == 0 else None
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
                                self._host_updates())
@@ -224,14 +243,47 @@ class State(TorchState):
             raise HostsUpdatedInterrupt(votes.removed_only)
 
     def save(self):
-        """Snapshot every value: handlers' into their buffers, plain values as copies (Horovod
-        keeps plain values by reference, so an in-place change survived a restore)."""
-        super().save()
+        """Snapshot every value now: handlers' into their buffers, plain values as copies
+        (Horovod keeps plain values by reference, so an in-place change survived a
+        restore)."""
+        self._save(defer=False)
+
+    def _save(self, defer):
+        # defer (a commit): the parameters' and optimizer state's copies are made while the
+        # next forward runs (see commit_copies.py): the end of a forward of each model, each
+        # optimizer's step, each load_state_dict of them, and anything here that reads the
+        # snapshot or writes the live state wait for them and check that no source was
+        # written before its copy was made (CommitCopyError otherwise). Other saves (at a
+        # sync, a loaded checkpoint) are followed by writes to the live state: made at once.
+        self._copies.begin(step_written=self._step_written(), defer=defer)
+        try:
+            super().save()
+        finally:
+            self._copies.launch()
         internals.set_saved_values(self, {name: snapshot(value) for name, value
                                           in internals.saved_values(self).items()})
 
+    def _step_written(self):
+        """Storage addresses that only an optimizer step writes: the parameters and state of
+        every optimizer the State carries."""
+        written = set()
+        for handler in internals.handlers(self).values():
+            if isinstance(handler.value, torch.optim.Optimizer):
+                written.update(p.data_ptr() for group in handler.value.param_groups
+                               for p in group["params"])
+                written.update(handler.deferred())
+        return written
+
+    def wait_for_commit(self):
+        """Block until the last commit's copies are made (they run during the next forward),
+        and check them: call it before changing a parameter or an optimizer's state by hand
+        between a commit and the next forward's end (an optimizer step, ``load_state_dict``
+        and the next commit wait by themselves)."""
+        self._copies.wait()
+
     def restore(self):
         """Return every value to the last commit; plain values get copies of the snapshot."""
+        self._copies.wait()
         super().restore()
         self._detach_plain_values()
 
@@ -267,6 +319,7 @@ class State(TorchState):
         # after it, and a new worker's checkpoint never wins over the state
         # the survivors hold. A new worker arrives only after its whole
         # start-up; the others wait for it without spinning.
+        self._copies.wait()
         self._check_carried()
         generation, unreadable = agreement.NO_FILE, None
         if failed is not None:
@@ -357,9 +410,7 @@ class State(TorchState):
         # stable: a copy that the next commit does not overwrite (its buffers
         # are reused), so that a thread may serialise it while training goes on.
         # State mapped from files (optimizer state on disk) is stable as it is.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            # Commits copy GPU tensors to host memory without waiting: done by now.
-            torch.cuda.synchronize()
+        self._copies.wait()
         handlers = {}
         for name, handler in internals.handlers(self).items():
             if hasattr(handler, "saved_state"):
@@ -536,3 +587,65 @@ class State(TorchState):
         # The sync that follows sends the saved plain values (Horovod's ObjectState.sync).
         self.save()
         return None
+
+
+def _check_name(name):
+    """A State value's name must not hide the State's own attributes (Horovod's ObjectState
+    would silently replace a method by the value)."""
+    if name == "epochs":
+        raise ValueError("State reserves the name 'epochs' for its epoch counter (state.epoch "
+                         "is the epoch); call that value something else")
+    if name.startswith("_") or hasattr(State, name):
+        raise ValueError(f"State value {name!r} would hide State.{name}; call that value "
+                         "something else")
+
+
+def _handler(name, value):
+    """The handler carrying ``value`` (None: a plain value), or an error naming ``name`` and
+    the fix where it can be neither saved through ``state_dict()`` nor pickled."""
+    try:
+        handler = handler_for(value)
+    except Exception as e:
+        raise TypeError(f"State value {name!r} ({type(value).__name__}) cannot be saved: "
+                        f"{type(e).__name__}: {e}") from e
+    if handler is not None or isinstance(value, (int, float, bool, str, type(None))):
+        return handler
+    try:
+        # Plain values are copied at every commit, sent to joining workers and written to
+        # checkpoints: all three pickle them.
+        pickle.dumps(value)
+    except Exception as e:
+        kind = type(value).__name__
+        raise TypeError(
+            f"State value {name!r} ({kind}) can be neither pickled ({type(e).__name__}: {e}) "
+            f"nor saved through state_dict()/load_state_dict(): give {kind} those two methods, "
+            f"or register a handler for it (hvd_adapt.register_handler({kind}, ...)), or keep "
+            "it out of the State and rebuild it from values the State carries") from e
+    return None
+
+
+def _wait_for_copies_before_writes(value, copies):
+    """Hooks that wait for the commit's copies where ``value``'s copied tensors may be written
+    next: an optimizer's step, a module's forward end (an EMA's update or a step comes after
+    it), either's load_state_dict. The hooks hold the copies weakly (a State that is gone
+    leaves hooks that do nothing)."""
+    ref = weakref.ref(copies)
+
+    def wait_on_device(until):
+        def hook(*_):
+            found = ref()
+            if found is not None and found.pending:
+                found.wait(until=until, host=False)
+        return hook
+
+    def wait(*_):
+        found = ref()
+        if found is not None and found.pending:
+            found.wait()
+
+    if isinstance(value, torch.optim.Optimizer):
+        value.register_step_pre_hook(wait_on_device(STEP))
+        value.register_load_state_dict_pre_hook(wait)
+    elif isinstance(value, torch.nn.Module):
+        value.register_forward_hook(wait_on_device(FORWARD))
+        value.register_load_state_dict_pre_hook(wait)

@@ -179,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if broadcast:
             # As DDP does: step 0 starts from rank 0's weights, however ranks were seeded.
             params = [p for group in self._matched_groups() for p in group]
-            collective.broadcast_tensors([(f"hvd_adapt.init.{i}", _bitwise(p.data))
+            collective.broadcast_tensors([(f"hvd_adapt.init.{i}", p.data)
                                           for i, p in enumerate(params)], root_rank=0)
 
     # torch.optim.Optimizer protocol, forwarded to the wrapped optimizer.
@@ -436,7 +436,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
                         "parameters and optimizer state are broadcast from rank 0 now. Wrap the "
                         "training function in @hvd_adapt.run (or call state.sync()) so that the "
                         "model's buffers and every other value are synced too", env.size())
-        params = [_bitwise(p.data) for group in self._matched_groups() for p in group]
+        params = [p.data for group in self._matched_groups() for p in group]
         collective.broadcast_tensors([(f"hvd_adapt.unsynced.{i}", p)
                                       for i, p in enumerate(params)], root_rank=0)
         self.sync_from_root()
@@ -550,16 +550,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()
-
-
-def _bitwise(tensor):
-    """A view of ``tensor`` that Horovod broadcasts: a copy of bits needs no arithmetic, so
-    bfloat16 goes as int16 and complex as its real view (Horovod takes neither)."""
-    if tensor.is_complex():
-        return torch.view_as_real(tensor)
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16)
-    return tensor
 
 
 def _exchange_name(params):
