@@ -54,16 +54,16 @@ to standard error, which horovodrun shows. Standard library only: a run
 takes milliseconds (``benchmarks/RESULTS.md``), the base command's time aside.
 """
 import argparse
-import json
+import dataclasses
 import math
 import os
 import sys
 import time
 import zlib
 
-from .._runtime.private_files import (UnsafePathError, read_own_file, user_runtime_folder,
-                                      write_file_atomically)
-from .base import BaseDiscoveryError, base_hosts, valid_host
+from .._runtime.private_files import user_runtime_folder
+from .base import BaseDiscoveryError, base_hosts
+from .discovery_state import load_state, save_state
 from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
 from .ready import ready_count
@@ -175,7 +175,7 @@ def warn_without_keepalive(args, base, state):
     """Once per state file, where neither this script (``--ssh-port 0`` or
     ``--lost-after 0``) nor ssh (``ServerAliveInterval 0``) would notice a host cut off
     silently: one line naming the fix."""
-    if state.get("keepalive_checked") or not base or (args.ssh_port and args.lost_after):
+    if state.keepalive_checked or not base or (args.ssh_port and args.lost_after):
         return
     from .sessions import keepalive_off
     host = base[0][0]
@@ -198,7 +198,7 @@ def merge(hosts):
 def target_replicas(args, rule, kept, total, state, now):
     """How many workers to offer, and why."""
     current = sum(slots for _, slots in kept)
-    if not state.get("hosts"):
+    if not state.hosts:
         return args.initial_np or args.min_np, "first offer"
     if not args.hints:
         return total, "all that are ready"
@@ -210,7 +210,7 @@ def target_replicas(args, rule, kept, total, state, now):
         return current, "no speed-up curve published yet"
     if now - hints["written_at"] > args.stale_after:
         return current, f"hints older than {args.stale_after:g} s"
-    changed_at = state.get("changed_at", 0.0)
+    changed_at = state.changed_at
     in_flight = hints["written_at"] < changed_at or hints["replicas"] != current
     if in_flight and now - changed_at < args.settle:
         return current, "resize in flight"
@@ -239,68 +239,6 @@ def default_state_path(args):
     return os.path.join(user_runtime_folder("discover"), f"{key}.json")
 
 
-def load_state(path):
-    """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
-    {ready file: [mtime_ns, change seen at]}, "said": [problems said], "watch": [hosts the
-    job had sessions to], "unanswered": {host: [first missed probe at, probes missed]},
-    "ended": {host: its sessions ended at}, "keepalive_checked": bool}``; a fresh one
-    where there is no state file or it is not one (the reason on stderr). A file of another user, or one others may write, raises
-    :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
-    try:
-        state = json.loads(read_own_file(path, limit=1 << 20))
-        hosts = {host: slots for host, slots in state["hosts"]}
-        if not all(valid_host(h) and type(s) is int and s > 0 for h, s in hosts.items()):
-            raise ValueError("a host or slot count is not valid")
-        changed_at = state.get("changed_at", 0.0)
-        if not _finite(changed_at):
-            raise ValueError(f"changed_at {changed_at!r} is not a number")
-        standbys = state.get("standbys", {})
-        if not all(isinstance(p, str) and isinstance(s, list) and len(s) == 2
-                   and type(s[0]) is int and (s[1] is None or _finite(s[1]))
-                   for p, s in standbys.items()):
-            raise ValueError("a standby heartbeat is not valid")
-        said = state.get("said", [])
-        if not (isinstance(said, list) and all(isinstance(p, str) for p in said)):
-            raise ValueError("the problems said are not a list of strings")
-        watch = state.get("watch", [])
-        if not (isinstance(watch, list) and all(valid_host(h) for h in watch)):
-            raise ValueError("the hosts watched are not host names")
-        unanswered = state.get("unanswered", {})
-        if not all(valid_host(h) and isinstance(v, list) and len(v) == 2 and _finite(v[0])
-                   and type(v[1]) is int and v[1] > 0 for h, v in unanswered.items()):
-            raise ValueError("a missed probe record is not valid")
-        ended = state.get("ended", {})
-        if not all(valid_host(h) and _finite(v) for h, v in ended.items()):
-            raise ValueError("a time of ended sessions is not valid")
-        checked = state.get("keepalive_checked", False)
-        if type(checked) is not bool:
-            raise ValueError("keepalive_checked is not a boolean")
-        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said,
-                "watch": watch, "unanswered": unanswered, "ended": ended,
-                "keepalive_checked": checked}
-    except FileNotFoundError:
-        pass
-    except UnsafePathError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        sys.stderr.write(f"hvd-adapt-discover: ignoring the state file {path}: {e}\n")
-    return {"hosts": {}}
-
-
-def _finite(value):
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def save_state(path, state):
-    """Remember this run's answer (and the problems it said, the hosts watched); a failed
-    write (a full disk) costs the memory, not the answer: a line on stderr, and the run
-    goes on."""
-    try:
-        write_file_atomically(path, json.dumps(state).encode())
-    except OSError as e:
-        sys.stderr.write(f"hvd-adapt-discover: cannot save the state file: {e}\n")
-
-
 def discover(args, now=None):
     """One run: the ``[(host, slots)]`` to print (and the state file updated). An empty
     or failed base answer keeps the hosts offered last, as do unreadable hints; each
@@ -311,7 +249,7 @@ def discover(args, now=None):
     rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     state_path = args.state or default_state_path(args)
     state = load_state(state_path)
-    previous = list(state["hosts"].items())
+    previous = list(state.hosts.items())
     problems = []
     try:
         base, left_out = base_hosts(args)
@@ -324,17 +262,17 @@ def discover(args, now=None):
     live = {}
     if args.ssh_port and args.lost_after:
         from .sessions import find_driver, sessions
-        live = sessions(find_driver(), set(state.get("watch", [])) | set(state["hosts"])
+        live = sessions(find_driver(), set(state.watch) | set(state.hosts)
                         | {host for host, _ in base})
-    new = [host for host, _ in base if host not in state["hosts"]]
-    answering, silent = probe_hosts(args, new + list(state["hosts"]) + list(live),
-                                    list(state["hosts"]) + list(live))
-    ended_at = {host: at for host, at in state.get("ended", {}).items()
+    new = [host for host, _ in base if host not in state.hosts]
+    answering, silent = probe_hosts(args, new + list(state.hosts) + list(live),
+                                    list(state.hosts) + list(live))
+    ended_at = {host: at for host, at in state.ended.items()
                 if 0 <= now - at < FREEZE_AFTER_END}
-    unanswered = end_lost_sessions(args, live, silent, state.get("unanswered", {}), ended_at,
-                                   now)
-    memory = {"watch": sorted(live), "unanswered": unanswered, "ended": ended_at,
-              "keepalive_checked": True}
+    unanswered = end_lost_sessions(args, live, silent, state.unanswered, ended_at, now)
+    # What every run remembers, whatever it answers.
+    state = dataclasses.replace(state, watch=sorted(live), unanswered=unanswered,
+                                ended=ended_at, keepalive_checked=True)
     frozen = sorted(set(unanswered) | set(ended_at))
     if previous and (frozen or not base):
         # Any change of the offer makes Horovod's driver notify the world's rank 0 from
@@ -351,12 +289,10 @@ def discover(args, now=None):
                             f"{sum(s for _, s in previous)} worker(s) on "
                             f"{', '.join(f'{h}:{s}' for h, s in previous)}")
         say_new(problems, state)
-        save_state(state_path, {"hosts": previous, "changed_at": state.get("changed_at", 0.0),
-                                "standbys": state.get("standbys", {}), "said": problems,
-                                **memory})
+        save_state(state_path, dataclasses.replace(state, said=problems))
         return previous
-    ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now, problems)
-    kept, more = candidates(base, state["hosts"], answering, ready)
+    ready, standbys = standbys_ready(args, base, state.standbys, now, problems)
+    kept, more = candidates(base, state.hosts, answering, ready)
     total = sum(slots for _, slots in kept + more)
     if args.max_np:
         total = min(total, args.max_np)
@@ -365,21 +301,21 @@ def discover(args, now=None):
         problems.append(f"{why}; keeping the current hosts")
     replicas = max(args.min_np, min(replicas, total))
     hosts = merge(assign(kept + more, replicas))
-    changed_at = state.get("changed_at", 0.0)
+    changed_at = state.changed_at
     say_new(problems, state)
     if hosts != previous:
         changed_at = now
         sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
                          f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
-    save_state(state_path, {"hosts": hosts, "changed_at": changed_at, "standbys": standbys,
-                            "said": problems, **memory})
+    save_state(state_path, dataclasses.replace(state, hosts=dict(hosts), changed_at=changed_at,
+                                               standbys=standbys, said=problems))
     return hosts
 
 
 def say_new(problems, state):
     """Write the ``problems`` the last run did not already say to stderr."""
     for problem in problems:
-        if problem not in state.get("said", ()):
+        if problem not in state.said:
             sys.stderr.write(f"hvd-adapt-discover: {problem}\n")
 
 
