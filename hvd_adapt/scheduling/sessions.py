@@ -103,6 +103,16 @@ def driver_key():
     return None if stat is None else f"{driver}.{stat[2]}"
 
 
+def running(key):
+    """True while the process a :func:`driver_key` names still runs (same pid, same start
+    time: a reused pid is not it); False once it has exited."""
+    pid, _, start = key.partition(".")
+    if not (pid.isdigit() and start.isdigit()):
+        return False
+    stat = _stat(int(pid))
+    return stat is not None and stat[2] == int(start)
+
+
 def sessions(driver, hosts):
     """``{host: [pids]}``: the driver's processes (outside this process's session) that
     carry a command to one of ``hosts``."""

@@ -1,0 +1,269 @@
+"""hvd-adapt-arbiter: cycles on real files, as jobs' discoveries report and read grants."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hvd_adapt.scheduling import arbiter as arbiter_module
+from hvd_adapt.scheduling import discover as discover_module
+from hvd_adapt.scheduling.arbiter_files import (FORMAT_VERSION, read_grant, report_path,
+                                                state_path, write_json)
+from second_user import as_other_user, shared_tmp  # noqa: F401 (a fixture)
+
+LINEAR = [[r, 100.0 * r] for r in range(1, 9)]
+FLAT = [[1, 100.0], [2, 103.0], [3, 105.0], [4, 106.0]]
+
+
+class Pool:
+    """An arbiter on a host file of ``hosts``, its cycles run here with times we give."""
+
+    def __init__(self, tmp_path, hosts, *extra):
+        self.folder = str(tmp_path / "arbiter")
+        self.hostfile = tmp_path / "pool"
+        self.hostfile.write_text("".join(f"{h}\n" for h in hosts))
+        self.argv = ["--folder", self.folder, "--hostfile", str(self.hostfile),
+                     "--ssh-port", "0", "--interval", "1", "--gone-after", "10",
+                     "--change-interval", "0", *extra]
+        self.arbiter = self.start()
+        self.now = 1000.0
+        self.runs = {}
+
+    def start(self):
+        return arbiter_module.Arbiter(arbiter_module.parser().parse_args(self.argv))
+
+    def cycle(self, seconds=1.0):
+        self.now += seconds
+        self.arbiter.cycle(self.now)
+
+    def grant(self, key):
+        return [h for h, _ in read_grant(self.folder, key)[1]]
+
+    def generation(self):
+        return read_grant(self.folder, "x")[0]
+
+    def report(self, key, holding="offered", generation="current", offered=None, curve=LINEAR,
+               launching=False, settled=True, min_np=1, max_np=None, driver=None, run=None):
+        """Write job ``key``'s report as its discovery would: by default it offers its grant
+        and its driver runs commands on exactly those hosts."""
+        self.runs[key] = self.runs.get(key, 0) + 1 if run is None else run
+        try:
+            gen, grant = read_grant(self.folder, key)
+        except FileNotFoundError:
+            gen, grant = None, []
+        offered = [[h, s] for h, s in grant] if offered is None else [[h, 1] for h in offered]
+        holding = [h for h, _ in offered] if holding == "offered" else holding
+        write_json(report_path(self.folder, key), {
+            "version": FORMAT_VERSION, "job": key.split(".")[0], "run": self.runs[key],
+            "generation": gen if generation == "current" else generation, "min_np": min_np,
+            "max_np": max_np, "initial_np": min_np, "curve": curve,
+            "timed": 8 if curve else 1, "settled": settled, "offered": offered,
+            "holding": holding, "launching": launching, "driver": driver})
+
+
+def test_jobs_register_in_order_and_the_pool_is_split_by_their_curves(tmp_path):
+    pool = Pool(tmp_path, ["h1", "h2", "h3", "h4"])
+    pool.report("a", curve=None)
+    pool.cycle()
+    assert pool.grant("a") == ["h1"]                   # no curve: its initial workers
+    pool.report("a")
+    pool.report("b", curve=FLAT)
+    pool.cycle()
+    # b's second worker would bring 0.03 of one: a gets the rest.
+    assert pool.grant("a") == ["h1", "h2", "h3"] and pool.grant("b") == ["h4"]
+    state = json.load(open(state_path(pool.folder)))
+    assert state["jobs"]["a"]["order"] == 0 and state["jobs"]["b"]["order"] == 1
+
+
+def test_a_host_goes_to_another_job_only_once_the_first_has_given_it_back(tmp_path):
+    pool = Pool(tmp_path, ["h1", "h2"])
+    pool.report("a", curve=LINEAR)
+    pool.cycle()
+    pool.report("a")
+    pool.cycle()
+    assert pool.grant("a") == ["h1", "h2"]
+    taken_at = pool.generation()
+    pool.report("b", curve=None)                 # a new job: its minimum is needed
+    pool.cycle()
+    assert pool.grant("a") == ["h1"] and pool.grant("b") == []    # h2 still a's
+    # Reports that do not show h2 given back, each for its own reason:
+    for evidence in ({"generation": taken_at - 1, "holding": ["h1"]},   # read the old grant
+                     {"holding": ["h1", "h2"]},                        # still runs there
+                     {"holding": ["h1"], "launching": True},          # a launch under way
+                     {"holding": None}):                              # no driver found
+        pool.report("a", **evidence)
+        pool.report("a", **evidence)
+        pool.cycle()
+        assert pool.grant("b") == [], evidence
+    pool.report("a")                                  # one report that shows it ...
+    pool.cycle()
+    assert pool.grant("b") == []
+    pool.report("a", holding=["h1", "h2"])            # ... then one that does not: again
+    pool.cycle()
+    pool.report("a")
+    pool.cycle()
+    assert pool.grant("b") == []
+    pool.report("a")                                  # two in a row: given back
+    pool.cycle()
+    assert pool.grant("b") == ["h2"] and pool.grant("a") == ["h1"]
+
+
+def test_a_restarted_arbiter_goes_on_where_it_stopped_and_moves_nothing(tmp_path):
+    pool = Pool(tmp_path, ["h1", "h2", "h3", "h4"], "--change-interval", "60")
+    pool.report("a")
+    pool.report("b", curve=FLAT)
+    pool.cycle()
+    grants = {k: pool.grant(k) for k in "ab"}
+    generation = pool.generation()
+    with pytest.raises(RuntimeError, match="another hvd-adapt-arbiter runs on"):
+        pool.start()
+    # b now says it scales as well as a: an even split would pay, but the last change
+    # was less than 60 s ago, and that too survives the restart.
+    pool.report("a")
+    pool.report("b", curve=LINEAR)
+    pool.cycle()
+    os.close(pool.arbiter.lock)                       # as if killed
+    pool.arbiter = pool.start()
+    for _ in range(5):
+        pool.report("a")
+        pool.report("b", curve=LINEAR)
+        pool.cycle(seconds=10)
+    assert {k: pool.grant(k) for k in "ab"} == grants and pool.generation() == generation
+    pool.cycle(seconds=10)                            # the interval is over
+    assert pool.grant("a") == ["h1", "h2"] and pool.arbiter.state.jobs["b"].assigned == \
+        ["h4", "h3"]                                  # h3 goes to b once a gave it back
+
+
+def test_a_job_gone_silent_frees_its_hosts_unless_its_driver_is_seen_running(tmp_path):
+    from hvd_adapt.scheduling.arbiter_client import driver_identity
+    pool = Pool(tmp_path, ["h1", "h2"])
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        start = f.read().rsplit(")", 1)[1].split()[19]
+    alive = driver_identity(f"{os.getpid()}.{start}")
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead = driver_identity(f"{exited.pid}.{start}")
+    pool.report("a", driver=alive)
+    pool.report("b", driver=dead)
+    pool.cycle()
+    pool.report("a", driver=alive)
+    pool.report("b", driver=dead)
+    pool.cycle()
+    assert pool.grant("a") == ["h1"] and pool.grant("b") == ["h2"]
+    for _ in range(9):
+        pool.cycle()
+    assert pool.grant("b") == ["h2"]                  # 9 s silent: not yet
+    pool.cycle(seconds=2)
+    assert pool.grant("a") == ["h1", "h2"]            # b is gone; a's driver runs
+    assert not os.path.exists(report_path(pool.folder, "b"))
+
+
+def test_a_failed_host_leaves_every_grant_and_comes_back_when_it_answers(tmp_path):
+    import socket
+    servers = []
+    for address in ("127.0.0.1", "127.0.0.2"):
+        server = socket.socket()
+        server.bind((address, servers[0].getsockname()[1] if servers else 0))
+        server.listen(8)
+        servers.append(server)
+    port = str(servers[0].getsockname()[1])
+    try:
+        pool = Pool(tmp_path, ["127.0.0.1", "127.0.0.2"], "--ssh-port", port)
+        pool.report("a", min_np=2)
+        pool.cycle()
+        assert pool.grant("a") == ["127.0.0.1", "127.0.0.2"]
+        pool.report("a", min_np=2)
+        servers.pop().close()                         # 127.0.0.2 goes down
+        pool.cycle()
+        assert pool.grant("a") == ["127.0.0.1"]
+        server = socket.socket()
+        server.bind(("127.0.0.2", int(port)))
+        server.listen(8)
+        servers.append(server)
+        pool.report("a", holding=["127.0.0.1"])       # its session there has ended
+        pool.cycle()
+        pool.report("a", holding=["127.0.0.1"])
+        pool.cycle()
+        pool.report("a", holding=["127.0.0.1"])
+        pool.cycle()
+        assert pool.grant("a") == ["127.0.0.1", "127.0.0.2"]
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_a_bad_report_keeps_the_last_good_one_and_is_said_once(tmp_path, caplog):
+    pool = Pool(tmp_path, ["h1", "h2", "h3"])
+    pool.report("a")
+    pool.cycle()
+    pool.report("a")
+    pool.cycle()
+    grant = pool.grant("a")
+    for bad in ('{"version": 1, "job": "a"}', "{", json.dumps({"version": 1, "job": "a;id"})):
+        with open(report_path(pool.folder, "a"), "w") as f:
+            f.write(bad)
+        caplog.clear()
+        pool.cycle()
+        pool.cycle()
+        assert pool.grant("a") == grant
+        assert sum("ignoring a report" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_nothing_another_user_writes_counts(tmp_path, shared_tmp):
+    # Their folder: refused, not used.
+    theirs = os.path.join(shared_tmp, "arbiter")
+    as_other_user(lambda: os.makedirs(os.path.join(theirs, "jobs"), mode=0o777))
+    with pytest.raises(PermissionError, match="belongs to uid"):
+        arbiter_module.Arbiter(arbiter_module.parser().parse_args(
+            ["--folder", theirs, "--hostfile", "/dev/null"]))
+    # A report of theirs in our folder (planted before it was made private): ignored.
+    pool = Pool(tmp_path, ["h1", "h2"])
+    pool.report("a")
+    os.chown(report_path(pool.folder, "a"), 65534, 65534)
+    pool.cycle()
+    assert pool.arbiter.state.jobs == {} and not os.path.exists(state_path(pool.folder))
+
+
+def test_a_state_file_that_is_not_one_stops_the_arbiter_naming_it(tmp_path, capsys):
+    folder = tmp_path / "arbiter"
+    pool = Pool(tmp_path, ["h1"])
+    os.close(pool.arbiter.lock)
+    with open(state_path(str(folder)), "w") as f:
+        f.write(json.dumps({"version": 1, "generation": -1}))
+    assert arbiter_module.main(pool.argv) == 1
+    err = capsys.readouterr().err
+    assert "arbiter.json: generation and next_order must be integers" in err
+    assert "move it away to start afresh" in err
+
+
+# -- the discovery's side -----------------------------------------------------------------
+def discovery(pool, tmp_path, *extra):
+    argv = ["--arbiter", pool.folder, "--job", "a", "--ssh-port", "0", "--hold", "0",
+            "--state", str(tmp_path / "discover.json"), *extra]
+    args = discover_module.parser().parse_args(argv)
+    return lambda: discover_module.discover(args)
+
+
+def test_the_discovery_offers_its_grant_reports_and_keeps_the_grant_it_cannot_read(
+        tmp_path, capsys):
+    pool = Pool(tmp_path, ["h1", "h2", "h3"])
+    run = discovery(pool, tmp_path, "--max-np", "2")
+    assert run() == []                                # no arbiter state yet
+    assert "no arbiter has written" in capsys.readouterr().err
+    pool.cycle()
+    assert run() == [("h1", 1)]                       # registered: its first worker
+    report = json.load(open(report_path(pool.folder, "a")))
+    assert report["run"] == 2 and report["offered"] == [["h1", 1]]
+    assert report["holding"] is None                  # run by hand: no driver seen
+    pool.cycle()
+    assert run() == [("h1", 1)]                       # no curve: it keeps its first grant
+    os.rename(state_path(pool.folder), state_path(pool.folder) + ".away")
+    assert run() == [("h1", 1)]
+    assert "keeping the grant of generation" in capsys.readouterr().err
+    # A grant in a file another user could write is not read.
+    os.rename(state_path(pool.folder) + ".away", state_path(pool.folder))
+    os.chmod(state_path(pool.folder), 0o666)
+    assert run() == [("h1", 1)]
+    assert "writable by other users" in capsys.readouterr().err
