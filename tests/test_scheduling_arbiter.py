@@ -120,7 +120,8 @@ def test_a_restarted_arbiter_goes_on_where_it_stopped_and_moves_nothing(tmp_path
     with pytest.raises(RuntimeError, match="another hvd-adapt-arbiter runs on"):
         pool.start()
     # b now says it scales as well as a: an even split would pay, but the last change
-    # was less than 60 s ago, and that too survives the restart.
+    # was less than 60 s ago, and that too survives the restart; a restarted arbiter
+    # waits a whole interval besides before a change by choice.
     pool.report("a")
     pool.report("b", curve=LINEAR)
     pool.cycle()
@@ -131,7 +132,9 @@ def test_a_restarted_arbiter_goes_on_where_it_stopped_and_moves_nothing(tmp_path
         pool.report("b", curve=LINEAR)
         pool.cycle(seconds=10)
     assert {k: pool.grant(k) for k in "ab"} == grants and pool.generation() == generation
-    pool.cycle(seconds=10)                            # the interval is over
+    pool.cycle(seconds=10)                            # 60 s after the first change
+    assert pool.generation() == generation
+    pool.cycle(seconds=10)                            # and 60 s after the restart
     assert pool.grant("a") == ["h1", "h2"] and pool.arbiter.state.jobs["b"].assigned == \
         ["h4", "h3"]                                  # h3 goes to b once a gave it back
 

@@ -23,10 +23,12 @@ What it promises, and the evidence each promise rests on:
   being given back, the jobs in arrival order, when the split last changed)
   is on disk, rewritten atomically whenever it changes; a job that cannot
   read it keeps the hosts it has. A restarted arbiter reads it and goes on;
-  the hysteresis and the time since the last change are part of it, so a
-  restart resizes nothing by itself.
+  the hysteresis and the time since the last change are part of it, and
+  a restarted arbiter makes no change by choice for ``--change-interval``
+  (it has not yet seen how the jobs do), so a restart resizes nothing by
+  itself.
 - **A job that ends or dies frees its hosts**: once its discovery has not
-  reported for ``--gone-after`` seconds (15; and for at least as many of the
+  reported for ``--gone-after`` seconds (30; and for at least as many of the
   arbiter's own cycles, so a jump of the clock is not silence), and, where
   the arbiter can see the job's driver (same machine), once that has
   exited. Horovod runs the discovery every second while the job lives, and
@@ -34,8 +36,8 @@ What it promises, and the evidence each promise rests on:
   watchdog ends it when the rendezvous server stops answering,
   ``HVD_ADAPT_UNREACHABLE_SECONDS``).
 - **A failed host leaves every grant**: one the base discovery stops
-  listing, or whose sshd does not answer (a second, longer probe for a
-  granted host that missed the first). It is given to another job only once
+  listing, or whose sshd does not answer (a second, longer probe for a host
+  that missed the first). It is given to another job only once
   the job it left has no command there (its session to it ends with the
   worker, or ``hvd-adapt-discover --lost-after`` ends it).
 - **Nothing another user writes changes a grant**: the folder is this user's,
@@ -62,8 +64,9 @@ from .base import BaseDiscoveryError, MAX_SLOTS, base_hosts, valid_host
 
 log = logging.getLogger("hvd_adapt")
 
-# A granted host that misses the quick probe is probed again for this long (as the
-# discovery does: past Linux's first SYN retransmission) before it is withdrawn.
+# A host that misses the quick probe is probed again for this long (as the discovery does
+# a host of its world: past Linux's first SYN retransmission) before it is withdrawn: one
+# slow answer of a loaded host does not take it from its job.
 SECOND_PROBE_SECONDS = 1.5
 # Reports in a row that must show a host given back (see the module's docstring).
 RELEASE_REPORTS = 2
@@ -175,10 +178,12 @@ class Arbiter:
         try:
             self.state = state_from_json(state_path(self.folder),
                                          read_json(state_path(self.folder)))
+            self.resumed = True
             log.info("resuming from %s: generation %d, %d job(s)", state_path(self.folder),
                      self.state.generation, len(self.state.jobs))
         except FileNotFoundError:
             self.state = ArbiterState()
+            self.resumed = False
         self.reports = {}      # {key: the last good report}
         self.seen = {}         # {key: (run, seen at, cycle)}: heartbeats as seen here
         self.cycles = 0
@@ -193,7 +198,12 @@ class Arbiter:
         """Read the pool and the reports, forget jobs gone, confirm hosts given back, split
         the pool and write the grants where anything changed."""
         now = time.time() if now is None else now
-        self.started = now if self.started is None else self.started
+        if self.started is None:
+            self.started = now
+            if self.resumed:
+                # A restarted arbiter has not yet seen how the jobs do since it stopped:
+                # changes by choice wait a whole interval (needed ones do not).
+                self.state.last_change = max(self.state.last_change, now)
         self.cycles += 1
         problems = []
         pool = self.read_pool(problems)
@@ -220,8 +230,7 @@ class Arbiter:
             from .probe import answers
             hosts = [h for h, _ in base]
             said = answers(hosts, self.args.ssh_port, self.args.probe_timeout)
-            granted = {h for grant in self.state.grants.values() for h, _ in grant}
-            missed = [h for h in hosts if h in granted and not said.get(h)]
+            missed = [h for h in hosts if not said.get(h)]
             if missed:
                 said.update(answers(missed, self.args.ssh_port,
                                     max(self.args.probe_timeout, SECOND_PROBE_SECONDS)))
@@ -268,8 +277,9 @@ class Arbiter:
                 from .sessions import running
                 if running(driver["key"]):
                     problems.append(f"{self.state.jobs[key].name}'s discovery has not "
-                                    f"reported for {silent:.0f} s, but its driver (pid "
-                                    f"{driver['key'].split('.')[0]}) runs: it keeps its hosts")
+                                    f"reported for {self.args.gone_after:g} s, but its driver "
+                                    f"(pid {driver['key'].split('.')[0]}) runs: it keeps its "
+                                    "hosts")
                     continue
             job = self.state.jobs.pop(key)
             self.state.grants.pop(key, None)
@@ -367,13 +377,14 @@ class Arbiter:
             k: (j.assigned, j.releasing) for k, j in state.jobs.items()}
         if result.by_choice:
             state.last_change = now
-        if grants != state.grants:
-            old, state.grants = state.grants, grants
+        old = state.grants
+        if grants != old:
+            state.grants = grants
             state.generation += 1
-            for key in sorted(grants, key=lambda k: state.jobs[k].order):
-                if grants[key] != old.get(key, []):
-                    self.log_grant(key, result.why.get(key), held)
             changed = True
+        for key in sorted(grants, key=lambda k: state.jobs[k].order):
+            if grants[key] != old.get(key, []) or state.jobs[key].assigned != before[key][0]:
+                self.log_grant(key, result.why.get(key), held)
         return changed
 
     def log_grant(self, key, why, held):
@@ -440,9 +451,9 @@ def parser():
     p.add_argument("--probe-timeout", type=float, default=0.03)
     p.add_argument("--interval", type=float, default=2.0,
                    help="seconds between cycles (default 2)")
-    p.add_argument("--gone-after", type=float, default=15.0,
+    p.add_argument("--gone-after", type=float, default=30.0,
                    help="a job whose discovery has not reported for this long (and whose "
-                        "driver, where visible, exited) is gone (default 15)")
+                        "driver, where visible, exited) is gone (default 30)")
     p.add_argument("--fairness", type=float, default=-1.0,
                    help="Pollux's p: 1 maximises the sum of the speed-ups, lower is fairer "
                         "(default -1)")
