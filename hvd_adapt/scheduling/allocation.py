@@ -26,13 +26,18 @@ Around it, what keeps a cluster calm:
   a resize, no curve yet) keeps its hosts (``movable`` False), though it may
   still be shrunk to its ``min_np`` to admit another job;
 - **growth within what was measured**: at most ``growth_limit`` x the most
-  replicas the job has timed, and only while each added host brings at least
-  ``efficiency`` of a worker's goodput (:class:`~.rule.DiscoveryRule`);
-- **hysteresis**: a split that only *could* be better is taken when its
-  power mean beats the current split's by ``min_gain`` (5%), and at most once
-  per ``interval`` seconds; changes that *must* happen (a new job's minimum, a
-  failed host, a job gone) are made at once, each taking the host whose loss
-  costs least;
+  replicas the job has timed (beyond, the curve is the model's guess), and
+  only while each added host brings at least ``efficiency`` of a worker's
+  goodput (:class:`~.rule.DiscoveryRule`'s rule; 0 by default: in a shared
+  pool a host left idle helps no job, and the objective already gives each
+  host where it pays most);
+- **hysteresis**: in the search, a job's speed-up on any count but the one
+  it has counts ``1 + min_gain`` (5%) less, so a job is resized by choice only
+  where that pays for itself (in a pool of many jobs too, where a global
+  threshold would see no single move); changes by choice come at most once
+  per ``interval`` seconds; changes that *must* happen (a new job's minimum,
+  a failed host, a job gone) are made at once, each taking the host whose
+  loss costs least;
 - hosts a job keeps are the ones it has (a shrink gives back its newest);
   new ones go first to hosts no other job still holds.
 
@@ -68,9 +73,9 @@ class JobView:
 @dataclass(frozen=True)
 class SplitSettings:
     fairness: float = -1.0         # Pollux's p
-    min_gain: float = 0.05         # least gain of the power mean for a change by choice
+    min_gain: float = 0.05         # least gain a resize by choice must bring the job
     interval: float = 60.0         # least seconds between changes by choice
-    efficiency: float = 0.5        # least speed-up a host must add, in workers
+    efficiency: float = 0.0        # least speed-up a host must add, in workers
     growth_limit: float = 2.0      # most replicas, as a multiple of the most timed
 
     def __post_init__(self):
@@ -123,12 +128,9 @@ def split(jobs, pool, settings, now, last_change, held=None):
     counts, by_choice = repaired, False
     if ranges and now - last_change >= settings.interval:
         budget = total - sum(repaired[name] for name in fixed)
-        best = _best(ranges, speedup, budget, settings.fairness)
+        best = _best(ranges, speedup, repaired, settings.min_gain, budget, settings.fairness)
         if best is not None and any(best[n] != repaired[n] for n in best):
-            gain = _power_mean([speedup[n](c) for n, c in best.items()], settings.fairness) / \
-                _power_mean([speedup[n](repaired[n]) for n in best], settings.fairness)
-            if gain >= 1 + settings.min_gain:
-                counts, by_choice = dict(repaired, **best), True
+            counts, by_choice = dict(repaired, **best), True
     hosts = _hosts(admitted, current, counts, [h for h, _ in pool], held)
     why = {}
     for job in jobs:
@@ -164,28 +166,27 @@ def _minimums(jobs, current, bounds, total):
     return lows
 
 
-def _goodput(curve, replicas):
-    """The curve's goodput at ``replicas`` (flat beyond its ends)."""
+def _goodputs(curve, top):
+    """The curve's goodput at 0..``top`` replicas as a list (flat beyond its ends)."""
     known = sorted(curve)
-    if replicas in curve:
-        return curve[replicas]
-    below = [r for r in known if r <= replicas]
-    return curve[below[-1]] if below else curve[known[0]]
+    table, last = [], curve[known[0]]
+    for replicas in range(top + 1):
+        last = curve.get(replicas, last)
+        table.append(last)
+    return table
 
 
 def _speedup(job, unit, fair, bounds):
-    """The job's speed-up on a number of hosts: its goodput there over its goodput on its
-    fair share (1 for every count where it has published no curve)."""
+    """The job's speed-up on a number of hosts (a list by host count, up to its most): its
+    goodput there over its goodput on its fair share (1 where it published no curve)."""
     if not job.curve:
-        return lambda hosts: 1.0
-    replicas = _replicas_on(job, unit)
-    reference = _goodput(job.curve, replicas(min(max(fair, bounds[0]), bounds[1])))
+        return [1.0] * (bounds[1] + 1)
+    goodput = _goodputs(job.curve, bounds[1] * unit)
+    replicas = [h * unit if job.max_np is None else min(job.max_np, h * unit)
+                for h in range(bounds[1] + 1)]
+    reference = goodput[replicas[min(max(fair, bounds[0]), bounds[1])]]
     reference = reference if reference > 0 else 1.0
-    return lambda hosts: max(1e-9, _goodput(job.curve, replicas(hosts)) / reference)
-
-
-def _replicas_on(job, unit):
-    return lambda hosts: hosts * unit if job.max_np is None else min(job.max_np, hosts * unit)
+    return [max(1e-9, goodput[r] / reference) for r in replicas]
 
 
 def _worth_growing_to(job, unit, low, most, settings):
@@ -196,20 +197,11 @@ def _worth_growing_to(job, unit, low, most, settings):
     limit = min(most * unit, cap) if job.max_np is None else min(job.max_np, most * unit, cap)
     if limit < low * unit:
         return low
-    top = max(job.curve)
-    entries = [{"replicas": r, "speedup": _goodput(job.curve, r) / max(job.curve[min(job.curve)],
-                                                                       1e-9)}
-               for r in range(1, max(top, limit) + 1)]
+    goodput = _goodputs(job.curve, limit)
+    base = max(goodput[1], 1e-9)
+    entries = [{"replicas": r, "speedup": goodput[r] / base} for r in range(1, limit + 1)]
     replicas = rule.target(entries, min(low * unit, limit), limit, unit)
     return max(low, math.ceil(replicas / unit))
-
-
-def _power_mean(speedups, fairness):
-    if not speedups:
-        return 1.0
-    if fairness == 0:
-        return math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-    return (sum(s ** fairness for s in speedups) / len(speedups)) ** (1 / fairness)
 
 
 def _term(speedup, fairness):
@@ -217,21 +209,33 @@ def _term(speedup, fairness):
     return math.log(speedup) if fairness == 0 else speedup ** fairness / fairness
 
 
-def _best(ranges, speedup, budget, fairness):
+def _best(ranges, speedup, current, min_gain, budget, fairness):
     """``{job: hosts}`` within each job's range and ``budget`` hosts in all that maximises the
-    sum of the terms (None where the minimums do not fit)."""
-    best = {0: (0.0, {})}                 # hosts used -> (value, counts)
+    sum of the terms, where a job's speed-up on any count but its ``current`` one counts
+    ``1 + min_gain`` times less (a resize costs: a job is moved only where it, or the job it
+    makes room for, gains that much; Pollux discounts a re-allocation alike). None where
+    the minimums do not fit."""
+    best = {0: 0.0}                       # hosts used -> value, after each job in turn
+    choices = []                          # per job: {hosts used after it: (its hosts, before)}
     for name, (low, high) in ranges.items():
-        step = {}
-        for used, (value, counts) in best.items():
+        terms = [_term(speedup[name][h] / (1.0 if h == current[name] else 1.0 + min_gain),
+                       fairness) for h in range(high + 1)]
+        step, choice = {}, {}
+        for used, value in best.items():
             for hosts in range(low, min(high, budget - used) + 1):
-                candidate = value + _term(speedup[name](hosts), fairness)
-                if used + hosts not in step or candidate > step[used + hosts][0] + 1e-12:
-                    step[used + hosts] = (candidate, dict(counts, **{name: hosts}))
-        best = step
-        if not best:
+                candidate = value + terms[hosts]
+                if used + hosts not in step or candidate > step[used + hosts] + 1e-12:
+                    step[used + hosts] = candidate
+                    choice[used + hosts] = (hosts, used)
+        if not step:
             return None
-    return max(best.values(), key=lambda entry: entry[0])[1]
+        best = step
+        choices.append((name, choice))
+    used = max(best, key=best.get)
+    counts = {}
+    for name, choice in reversed(choices):
+        counts[name], used = choice[used]
+    return counts
 
 
 def _repair(admitted, current, fixed, ranges, lows, speedup, fairness, total):
@@ -249,8 +253,8 @@ def _repair(admitted, current, fixed, ranges, lows, speedup, fairness, total):
                 else ranges[name][0]
 
     def loss(name):
-        return (_term(speedup[name](counts[name]), fairness)
-                - _term(speedup[name](counts[name] - 1), fairness))
+        return (_term(speedup[name][counts[name]], fairness)
+                - _term(speedup[name][counts[name] - 1], fairness))
     while sum(counts.values()) > total:
         above = [n for n in ranges if counts[n] > lows[n]]
         if above:

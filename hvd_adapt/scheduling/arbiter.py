@@ -458,11 +458,13 @@ def parser():
                    help="Pollux's p: 1 maximises the sum of the speed-ups, lower is fairer "
                         "(default -1)")
     p.add_argument("--min-gain", type=float, default=0.05,
-                   help="least gain of the objective for a change by choice (default 0.05)")
+                   help="a job's speed-up on another size counts this much less: a resize "
+                        "by choice must gain it (default 0.05)")
     p.add_argument("--change-interval", type=float, default=60.0,
                    help="least seconds between changes by choice (default 60)")
-    p.add_argument("--efficiency", type=float, default=0.5,
-                   help="least speed-up a host must add to a job, in workers (default 0.5)")
+    p.add_argument("--efficiency", type=float, default=0.0,
+                   help="least speed-up a host must add to a job, in workers (default 0: "
+                        "a host goes wherever it pays most, however little)")
     p.add_argument("--growth-limit", type=float, default=2.0,
                    help="most workers, as a multiple of the most a job has timed (default 2)")
     return p

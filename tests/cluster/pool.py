@@ -142,10 +142,10 @@ def static_discovery(job, hosts):
     return discovery_script(job, "".join(f"echo {h}:1\n" for h in hosts).rstrip())
 
 
-def greedy_discovery(job, hostfile):
+def greedy_discovery(job, hostfile, initial_np=None):
     return discovery_script(job, (
         f"exec {sys.executable} -m hvd_adapt.scheduling.discover --hostfile {hostfile} "
-        f"--min-np {job.min_np} --max-np {job.max_np} --initial-np {job.min_np} "
+        f"--min-np {job.min_np} --max-np {job.max_np} --initial-np {initial_np or job.min_np} "
         f"--state {job.out_dir}/discover-state.json"))
 
 
