@@ -203,7 +203,7 @@ class Arbiter:
             if self.resumed:
                 # A restarted arbiter has not yet seen how the jobs do since it stopped:
                 # changes by choice wait a whole interval (needed ones do not).
-                self.state.last_change = max(self.state.last_change, now)
+                self.state.last_change = now
         self.cycles += 1
         problems = []
         pool = self.read_pool(problems)

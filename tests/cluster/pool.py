@@ -38,6 +38,9 @@ from launch import BIN, WORKERS, launch_env  # noqa: E402
 from training_logs import read_logs  # noqa: E402
 
 LIFETIME = os.path.join(HERE, "lifetime.py")
+# The discovery's probe of a new host: 30 ms (its default) is often missed on a machine
+# whose two cores run every host at once, and a new host gets no second chance.
+PROBE_TIMEOUT = 0.5
 # The launchers and the arbiter run on a host of their own, outside the pool, as a
 # Kubernetes launcher pod does (Horovod 0.28 cannot start a job whose first hosts are all
 # local with --network-interface eth0: it looks for 127.0.0.1 on eth0).
@@ -146,7 +149,7 @@ def greedy_discovery(job, hostfile, initial_np=None):
     return discovery_script(job, (
         f"exec {sys.executable} -m hvd_adapt.scheduling.discover --hostfile {hostfile} "
         f"--min-np {job.min_np} --max-np {job.max_np} --initial-np {initial_np or job.min_np} "
-        f"--state {job.out_dir}/discover-state.json"))
+        f"--probe-timeout {PROBE_TIMEOUT} --state {job.out_dir}/discover-state.json"))
 
 
 def arbiter_discovery(job, folder, hold=8, initial_np=None):
@@ -154,7 +157,7 @@ def arbiter_discovery(job, folder, hold=8, initial_np=None):
         f"exec {sys.executable} -m hvd_adapt.scheduling.discover --arbiter {folder} "
         f"--job {job.name} --hints {job.hints} --min-np {job.min_np} --max-np {job.max_np} "
         f"--initial-np {initial_np or job.min_np} --hold {hold} "
-        f"--state {job.out_dir}/discover-state.json"))
+        f"--probe-timeout {PROBE_TIMEOUT} --state {job.out_dir}/discover-state.json"))
 
 
 def start_arbiter(bed, folder, hostfile, *extra):
