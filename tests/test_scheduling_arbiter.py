@@ -77,35 +77,36 @@ def test_jobs_register_in_order_and_the_pool_is_split_by_their_curves(tmp_path):
     assert state["jobs"]["a"]["order"] == 0 and state["jobs"]["b"]["order"] == 1
 
 
-def test_a_host_goes_to_another_job_only_once_the_first_has_given_it_back(tmp_path):
+@pytest.mark.parametrize("evidence", [
+    {"generation": "before"},                        # its discovery read the old grant
+    {"holding": ["h1", "h2"]},                       # its driver still runs a worker there
+    {"launching": True},                             # a launch under way names no host yet
+    {"holding": None}],                              # its discovery found no driver
+    ids=["old-grant", "still-there", "launching", "no-driver"])
+def test_a_host_goes_to_another_job_only_once_the_first_has_given_it_back(tmp_path, evidence):
     pool = Pool(tmp_path, ["h1", "h2"])
     pool.report("a", curve=LINEAR)
     pool.cycle()
     pool.report("a")
     pool.cycle()
     assert pool.grant("a") == ["h1", "h2"]
-    taken_at = pool.generation()
+    before = pool.generation()
     pool.report("b", curve=None)                 # a new job: its minimum is needed
     pool.cycle()
     assert pool.grant("a") == ["h1"] and pool.grant("b") == []    # h2 still a's
-    # Reports that do not show h2 given back, each for its own reason:
-    for evidence in ({"generation": taken_at - 1, "holding": ["h1"]},   # read the old grant
-                     {"holding": ["h1", "h2"]},                        # still runs there
-                     {"holding": ["h1"], "launching": True},          # a launch under way
-                     {"holding": None}):                              # no driver found
-        pool.report("a", **evidence)
+    if evidence.get("generation") == "before":
+        evidence = {"generation": before, "offered": ["h1"], "holding": ["h1"]}
+    else:
+        evidence = dict({"holding": ["h1"]}, **evidence)
+    for _ in range(3):                           # reports that do not show h2 given back
         pool.report("a", **evidence)
         pool.cycle()
         assert pool.grant("b") == [], evidence
-    pool.report("a")                                  # one report that shows it ...
+    pool.report("a")                             # one that does, seen by two cycles ...
+    pool.cycle()
     pool.cycle()
     assert pool.grant("b") == []
-    pool.report("a", holding=["h1", "h2"])            # ... then one that does not: again
-    pool.cycle()
-    pool.report("a")
-    pool.cycle()
-    assert pool.grant("b") == []
-    pool.report("a")                                  # two in a row: given back
+    pool.report("a")                             # ... and a second in a row: given back
     pool.cycle()
     assert pool.grant("b") == ["h2"] and pool.grant("a") == ["h1"]
 
@@ -270,3 +271,39 @@ def test_the_discovery_offers_its_grant_reports_and_keeps_the_grant_it_cannot_re
     os.chmod(state_path(pool.folder), 0o666)
     assert run() == [("h1", 1)]
     assert "writable by other users" in capsys.readouterr().err
+
+
+def test_the_discovery_never_offers_a_host_outside_its_grant(tmp_path, capsys):
+    # Without an arbiter the discovery keeps one host of the world that answers where the
+    # base drops them all, and keeps its hosts on an empty base answer (Horovod stops a job
+    # offered none of its world). Under an arbiter a host outside the grant may be another
+    # job's: the grant is the offer, even an empty one.
+    import socket
+    servers = []
+    for address in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+        server = socket.socket()
+        server.bind((address, servers[0].getsockname()[1] if servers else 0))
+        server.listen(8)
+        servers.append(server)
+    port = str(servers[0].getsockname()[1])
+    folder = str(tmp_path / "arbiter")
+    os.makedirs(os.path.join(folder, "jobs"), mode=0o700)
+    os.chmod(folder, 0o700)
+
+    def grant(hosts, generation):
+        write_json(state_path(folder), {"version": 1, "generation": generation,
+                                        "grants": {"a": [[h, 1] for h in hosts]}})
+    args = discover_module.parser().parse_args(
+        ["--arbiter", folder, "--job", "a", "--ssh-port", port, "--hold", "0",
+         "--probe-timeout", "1", "--initial-np", "2", "--state", str(tmp_path / "d.json")])
+    try:
+        grant(["127.0.0.1", "127.0.0.2"], 1)
+        assert discover_module.discover(args) == [("127.0.0.1", 1), ("127.0.0.2", 1)]
+        grant(["127.0.0.3"], 2)
+        assert discover_module.discover(args) == [("127.0.0.3", 1)]
+        grant([], 3)
+        assert discover_module.discover(args) == []
+        assert "the arbiter granted a no host" in capsys.readouterr().err
+    finally:
+        for server in servers:
+            server.close()
