@@ -11,6 +11,7 @@ from hvd_adapt.scheduling import arbiter as arbiter_module
 from hvd_adapt.scheduling import discover as discover_module
 from hvd_adapt.scheduling.arbiter_files import (FORMAT_VERSION, read_grant, report_path,
                                                 state_path, write_json)
+from full_disk import full_disk  # noqa: F401 (a fixture)
 from second_user import as_other_user, shared_tmp  # noqa: F401 (a fixture)
 
 LINEAR = [[r, 100.0 * r] for r in range(1, 9)]
@@ -228,6 +229,37 @@ def test_nothing_another_user_writes_counts(tmp_path, shared_tmp):
     os.chown(report_path(pool.folder, "a"), 65534, 65534)
     pool.cycle()
     assert pool.arbiter.state.jobs == {} and not os.path.exists(state_path(pool.folder))
+
+
+def test_a_full_disk_moves_nothing_until_the_state_is_written(full_disk, caplog):
+    # A host taken from a job in a state that could not be written is given to no one on
+    # reports of the grant still on disk; the write is tried again each cycle.
+    from full_disk import fill
+    pool = Pool(full_disk, ["h1", "h2"])
+    pool.report("a", curve=LINEAR)
+    pool.cycle()
+    pool.report("a")
+    pool.cycle()
+    assert pool.grant("a") == ["h1", "h2"]
+    generation = pool.generation()
+    # b arrives, and a's last report before the disk fills claims h2 free, of the grant
+    # on disk.
+    pool.report("b", curve=None)
+    pool.report("a", holding=["h1"], offered=["h1"])
+    fill(full_disk)
+    caplog.clear()
+    for _ in range(4):
+        pool.cycle()
+    assert pool.generation() == generation and pool.grant("a") == ["h1", "h2"]
+    assert pool.arbiter.state.jobs["a"].releasing == {"h2": generation + 1}
+    assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+    os.unlink(os.path.join(full_disk, "filler"))
+    pool.cycle()
+    assert pool.grant("a") == ["h1"] and pool.grant("b") == []    # h2 not yet given back
+    for _ in range(2):
+        pool.report("a")
+        pool.cycle()
+    assert pool.grant("b") == ["h2"]
 
 
 def test_a_state_file_that_is_not_one_stops_the_arbiter_naming_it(tmp_path, capsys):

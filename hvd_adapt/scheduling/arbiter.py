@@ -188,6 +188,7 @@ class Arbiter:
         self.seen = {}         # {key: (run, seen at, cycle)}: heartbeats as seen here
         self.cycles = 0
         self.pool = None       # the last pool known: [(host, slots)] that answer
+        self.dirty = False     # the state on disk is behind the one here
         self.said = set()      # the problems the last cycle said (each said once)
         self.warned = set()    # the jobs warned about once for good
         self.started = None    # the first cycle's time: silence of jobs not heard from since
@@ -213,9 +214,10 @@ class Arbiter:
         changed |= self.confirm_releases()
         if pool is not None:
             changed |= self.regrant(pool, now)
+        self.dirty |= changed
+        if self.dirty:
+            self.save(problems)
         self.say(problems)
-        if changed:
-            self.save()
 
     def read_pool(self, problems):
         """The base hosts whose sshd answers; the last pool where the base gives no answer
@@ -405,13 +407,16 @@ class Arbiter:
                 log.warning("%s", problem)
         self.said = set(problems)
 
-    def save(self):
+    def save(self, problems):
+        """Write the state; where that fails (a full disk), say so and try again next cycle.
+        Meanwhile the jobs read the grants last written, and a host taken from a job in the
+        state not written is not given back on reports of older grants: nothing moves, as
+        with an arbiter that stopped."""
         try:
             write_json(state_path(self.folder), self.state.to_json())
+            self.dirty = False
         except OSError as e:
-            # The grants jobs read stay the last ones written: nothing moves until a write
-            # succeeds, which is what an arbiter that stopped would do.
-            log.error("cannot write %s: %s", state_path(self.folder), e)
+            problems.append(f"cannot write {state_path(self.folder)}: {e}")
 
     # -- the loop -----------------------------------------------------------------------
     def serve(self):

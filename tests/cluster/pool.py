@@ -68,15 +68,16 @@ class PoolJob:
     def hints(self):
         return os.path.join(self.out_dir, "hints.json")
 
-    def start(self, bed, discovery, np=1, extra_env=None):
-        """Launch on LAUNCHER with ``discovery`` (a script's path) and ``-np np``."""
+    def start(self, bed, discovery, np=1, extra_env=None, worker_args=()):
+        """Launch on LAUNCHER with ``discovery`` (a script's path) and ``-np np``;
+        ``worker_args`` go to every worker."""
         until = (["--epochs", str(self.epochs)] if self.epochs else
                  ["--epochs", "100000", "--stop-file", os.path.join(self.out_dir, "finish")])
         worker = [sys.executable, os.path.join(WORKERS, "elastic_train.py"),
                   "--samples", str(self.samples), *until, "--adamw",
                   "--autoscale", "--batch-size", "8", "--max-local-bsz", "16",
                   "--decide-every", "4", "--device-lock", os.path.join(bed.local, "device"),
-                  *KINDS[self.kind]]
+                  *KINDS[self.kind], *worker_args]
         command = [os.path.join(BIN, "horovodrun"), "-np", str(np), "--min-np",
                    str(self.min_np), "--max-np", str(self.max_np), "--network-interface",
                    "eth0", "--host-discovery-script", discovery, "--elastic-timeout", "900",

@@ -22,6 +22,7 @@ from training_logs import check_exactly_once, check_identical_replicas
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
 SAMPLES = 96
+GIVE_BACK_SLOWLY = 8
 # Seconds the arbiter stays dead, and the jobs are watched after its restart (a restarted
 # arbiter makes no change by choice for --change-interval).
 DOWN, AFTER = 15, 15
@@ -53,8 +54,12 @@ def test_two_jobs_share_four_hosts_through_the_arbiter_which_may_die(pool_bed, t
     b = pool.PoolJob("b", "comm", str(tmp_path / "b"), SAMPLES, None)
     events = {}
     try:
-        # a asks for every host at first (no curve yet: its initial workers).
-        a.start(bed, pool.arbiter_discovery(a, folder, initial_np=4), np=4)
+        # a asks for every host at first (no curve yet: its initial workers). Its first
+        # host update is slow to take effect (rank 0 waits 8 s before the reset, within its
+        # watchdog's grace): a host granted to b before a gave it back would run both
+        # jobs' workers meanwhile.
+        a.start(bed, pool.arbiter_discovery(a, folder, initial_np=4), np=4,
+                worker_args=["--pause-on-interrupt", str(GIVE_BACK_SLOWLY)])
         assert pool.wait_until(lambda: sum(c["size"] == 4 for c in pool.rank0_commits(a)) >= 5,
                                300, [a]), a.output()[-5000:]
         events["b"] = time.time()
