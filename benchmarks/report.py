@@ -291,7 +291,8 @@ def cluster_jobs_section():
     names = list(summary["static"]["jobs_s"])
     kinds = {name: job["kind"] for name, job in data["rounds"][0]["jobs"].items()}
     rows = []
-    for policy, s in summary.items():
+    for policy in [p for p in ("static", "greedy", "arbiter") if p in summary]:
+        s = summary[policy]
         worst = max(s["jobs_s"][n] / summary["static"]["jobs_s"][n] for n in names)
         rows.append([policy] + [f"{s['jobs_s'][n]:.0f}" for n in names]
                     + [f"{s['average_s']:.0f}", f"{s['makespan_s']:.0f}",
