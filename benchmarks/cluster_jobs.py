@@ -5,8 +5,9 @@ seconds after the first) run on a namespace cluster of this machine
 (tests/cluster/bed.py: four pool hosts with real sshd, the launchers and the
 arbiter on a fifth) under three policies, one after the other:
 
-- ``static``: the pool split evenly by hand, each job on its share for its
-  whole life (``--initial-np`` its share under every policy);
+- ``static``: the pool split as evenly as it goes by hand (4 hosts, 3 jobs:
+  2, 1, 1), each job on its share for its whole life (``-np`` and
+  ``--initial-np`` its share under every policy);
 - ``greedy``: every job offered every host (``hvd-adapt-discover`` without
   hints: every host that answers): the jobs overlap on hosts and take turns
   on their accelerators;
@@ -25,7 +26,7 @@ arbiter: the most worlds timed) is recorded for ``cluster_sim.py``.
 
 Needs root (network namespaces), as tests/cluster does.
 
-    python benchmarks/cluster_jobs.py [--jobs scales:30,comm:6] [--arrivals 0,20] \\
+    python benchmarks/cluster_jobs.py [--jobs scales:30,comm:8,scales:15] [--arrivals 0,10,20] \\
         [--rounds 1] [--json cluster_jobs.json]
 """
 import argparse
@@ -54,7 +55,7 @@ def run_policy(bed, policy, specs, arrivals, top, timeout):
     """Run the jobs under ``policy``; ``{job: completion seconds}`` and their curves."""
     folder = os.path.join(top, policy)
     os.makedirs(folder)
-    share = max(1, len(pool.POOL) // len(specs))
+    shares = static_shares(len(specs))
     hostfile = pool.write_hostfile(os.path.join(folder, "pool"), pool.POOL)
     arbiter = None
     if policy == "arbiter":
@@ -67,9 +68,9 @@ def run_policy(bed, policy, specs, arrivals, top, timeout):
         def launch_due():
             for index, job in enumerate(jobs):
                 if job.name not in submitted and time.time() - start >= arrivals[index]:
+                    share = len(shares[index])
                     if policy == "static":
-                        hosts = pool.POOL[index * share:(index + 1) * share] or pool.POOL[-1:]
-                        script = pool.static_discovery(job, hosts)
+                        script = pool.static_discovery(job, shares[index])
                     elif policy == "greedy":
                         script = pool.greedy_discovery(job, hostfile, initial_np=share)
                     else:
@@ -102,6 +103,18 @@ def run_policy(bed, policy, specs, arrivals, top, timeout):
     return result
 
 
+def static_shares(jobs):
+    """The pool split as evenly as it goes, in arrival order (4 hosts, 3 jobs: 2, 1, 1); a
+    job beyond the pool's size shares the last host."""
+    base, extra = divmod(len(pool.POOL), jobs)
+    shares, start = [], 0
+    for index in range(jobs):
+        size = max(1, base + (index < extra))
+        shares.append(pool.POOL[start:start + size] or pool.POOL[-1:])
+        start += size
+    return shares
+
+
 def summarize(rows):
     by_policy = {}
     for row in rows:
@@ -120,7 +133,7 @@ def summarize(rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", default="scales:30,comm:6",
+    parser.add_argument("--jobs", default="scales:30,comm:8,scales:15",
                         help="kind:epochs of each job, comma-separated (kinds: "
                              f"{', '.join(pool.KINDS)})")
     parser.add_argument("--arrivals", default=None,
