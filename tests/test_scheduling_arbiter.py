@@ -78,6 +78,28 @@ def test_jobs_register_in_order_and_the_pool_is_split_by_their_curves(tmp_path):
     assert state["jobs"]["a"]["order"] == 0 and state["jobs"]["b"]["order"] == 1
 
 
+def a_on_both_hosts(pool):
+    """Job a registers and, its curve linear, gets both hosts of the pool."""
+    pool.report("a", curve=LINEAR)
+    pool.cycle()
+    pool.report("a")
+    pool.cycle()
+    assert pool.grant("a") == ["h1", "h2"]
+
+
+def listeners(addresses, port=0):
+    """A listening socket on each of ``addresses``, all on one port (``port``, or one the
+    first is given): hosts whose sshd answers; close one and the host refuses."""
+    import socket
+    servers = []
+    for address in addresses:
+        server = socket.socket()
+        server.bind((address, servers[0].getsockname()[1] if servers else port))
+        server.listen(8)
+        servers.append(server)
+    return servers
+
+
 @pytest.mark.parametrize("evidence", [
     {"generation": "before"},                        # its discovery read the old grant
     {"holding": ["h1", "h2"]},                       # its driver still runs a worker there
@@ -86,11 +108,7 @@ def test_jobs_register_in_order_and_the_pool_is_split_by_their_curves(tmp_path):
     ids=["old-grant", "still-there", "launching", "no-driver"])
 def test_a_host_goes_to_another_job_only_once_the_first_has_given_it_back(tmp_path, evidence):
     pool = Pool(tmp_path, ["h1", "h2"])
-    pool.report("a", curve=LINEAR)
-    pool.cycle()
-    pool.report("a")
-    pool.cycle()
-    assert pool.grant("a") == ["h1", "h2"]
+    a_on_both_hosts(pool)
     before = pool.generation()
     pool.report("b", curve=None)                 # a new job: its minimum is needed
     pool.cycle()
@@ -166,13 +184,7 @@ def test_a_job_gone_silent_frees_its_hosts_unless_its_driver_is_seen_running(tmp
 
 
 def test_a_failed_host_leaves_every_grant_and_comes_back_when_it_answers(tmp_path):
-    import socket
-    servers = []
-    for address in ("127.0.0.1", "127.0.0.2"):
-        server = socket.socket()
-        server.bind((address, servers[0].getsockname()[1] if servers else 0))
-        server.listen(8)
-        servers.append(server)
+    servers = listeners(["127.0.0.1", "127.0.0.2"])
     port = str(servers[0].getsockname()[1])
     try:
         pool = Pool(tmp_path, ["127.0.0.1", "127.0.0.2"], "--ssh-port", port)
@@ -183,10 +195,7 @@ def test_a_failed_host_leaves_every_grant_and_comes_back_when_it_answers(tmp_pat
         servers.pop().close()                         # 127.0.0.2 goes down
         pool.cycle()
         assert pool.grant("a") == ["127.0.0.1"]
-        server = socket.socket()
-        server.bind(("127.0.0.2", int(port)))
-        server.listen(8)
-        servers.append(server)
+        servers += listeners(["127.0.0.2"], int(port))
         pool.report("a", holding=["127.0.0.1"])       # its session there has ended
         pool.cycle()
         pool.report("a", holding=["127.0.0.1"])
@@ -236,11 +245,7 @@ def test_a_full_disk_moves_nothing_until_the_state_is_written(full_disk, caplog)
     # reports of the grant still on disk; the write is tried again each cycle.
     from full_disk import fill
     pool = Pool(full_disk, ["h1", "h2"])
-    pool.report("a", curve=LINEAR)
-    pool.cycle()
-    pool.report("a")
-    pool.cycle()
-    assert pool.grant("a") == ["h1", "h2"]
+    a_on_both_hosts(pool)
     generation = pool.generation()
     # b arrives, and a's last report before the disk fills claims h2 free, of the grant
     # on disk.
@@ -310,13 +315,7 @@ def test_the_discovery_never_offers_a_host_outside_its_grant(tmp_path, capsys):
     # base drops them all, and keeps its hosts on an empty base answer (Horovod stops a job
     # offered none of its world). Under an arbiter a host outside the grant may be another
     # job's: the grant is the offer, even an empty one.
-    import socket
-    servers = []
-    for address in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
-        server = socket.socket()
-        server.bind((address, servers[0].getsockname()[1] if servers else 0))
-        server.listen(8)
-        servers.append(server)
+    servers = listeners(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
     port = str(servers[0].getsockname()[1])
     folder = str(tmp_path / "arbiter")
     os.makedirs(os.path.join(folder, "jobs"), mode=0o700)

@@ -57,9 +57,9 @@ from dataclasses import dataclass, field
 
 from .._runtime.private_files import UnsafePathError, check_owned
 from .allocation import JobView, SplitSettings, split
-from .arbiter_files import (ArbiterFileError, FORMAT_VERSION, arbiter_folder, read_json,
-                            read_report, report_keys, report_path, state_path, valid_name,
-                            write_json)
+from .arbiter_files import (ArbiterFileError, FORMAT_VERSION, arbiter_folder,
+                            process_namespace, read_json, read_report, report_keys, report_path,
+                            state_path, valid_name, write_json)
 from .base import BaseDiscoveryError, MAX_SLOTS, base_hosts, valid_host
 
 log = logging.getLogger("hvd_adapt")
@@ -155,15 +155,9 @@ def lock_folder(folder):
 
 def driver_visible(driver):
     """Whether this process can see the job's driver (same boot, same PID namespace)."""
-    if driver is None:
-        return False
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return False
-    return driver["boot"] == boot and driver["pidns"] == pidns
+    here = process_namespace()
+    return (driver is not None and here is not None and driver["boot"] == here["boot"]
+            and driver["pidns"] == here["pidns"])
 
 
 class Arbiter:

@@ -9,10 +9,8 @@ needs to split the pool and to know when a host taken from the job is free
 >>> job_key("digits", None), job_key("digits", "812.5523")
 ('digits', 'digits.812.5523')
 """
-import os
-
-from .arbiter_files import (ArbiterFileError, FORMAT_VERSION, arbiter_folder, read_grant,
-                            report_path, write_json)
+from .arbiter_files import (ArbiterFileError, FORMAT_VERSION, arbiter_folder,
+                            process_namespace, read_grant, report_path, write_json)
 
 
 def job_key(name, driver):
@@ -42,15 +40,8 @@ def grant(folder, key, remembered):
 def driver_identity(key):
     """What lets an arbiter on the same machine see whether the job's driver still runs:
     its key, this boot's id and this PID namespace (None without a driver)."""
-    if key is None:
-        return None
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-    return {"key": key, "boot": boot, "pidns": pidns}
+    here = process_namespace()
+    return None if key is None or here is None else dict(here, key=key)
 
 
 def report(args, name, run, generation, curve, timed, settled, offered, commands):

@@ -166,6 +166,17 @@ def check_report(path, report):
     return checked
 
 
+def process_namespace():
+    """``{"boot": this boot's id, "pidns": this PID namespace}``: where two processes that
+    share both see each other's pids (None where /proc cannot say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return {"boot": boot, "pidns": os.stat("/proc/self/ns/pid").st_ino}
+    except OSError:
+        return None
+
+
 def read_report(folder, key):
     return check_report(report_path(folder, key), read_json(report_path(folder, key)))
 
