@@ -145,23 +145,45 @@ def test_discover_latency():
         assert re.search(rf"^{install}: 3 runs over 8 hosts: median [0-9.]+ ms", out, re.M), out
 
 
-def test_cluster_sim_finishes_every_job_under_each_policy():
+def curves_file(path):
+    """A cluster_jobs.py record holding two measured curves: one that scales, one that does
+    not (its goodput 0 past the replicas its batch allows, as the hints say)."""
+    import json
+    scales = [[r, 100.0 * min(r, 8) ** 0.8] for r in range(1, 17)] + [[17, 0.0]]
+    comm = [[r, 100.0 + 5.0 * min(r, 3)] for r in range(1, 17)]
+    jobs = {"j0": {"kind": "scales", "timed": [1, 2, 4], "curve": scales},
+            "j1": {"kind": "comm", "timed": [1, 2], "curve": comm}}
+    path.write_text(json.dumps({"data": {"rounds": [{"policy": "arbiter", "jobs": jobs}]}}))
+    return str(path)
+
+
+def test_cluster_sim_finishes_every_job_under_each_policy(tmp_path):
     out = bench("cluster_sim.py", "--jobs", "12", "--nodes", "8", "--seeds", "0",
-                "--max-job-hours", "1")
-    rows = re.findall(r"^ +0 +(fixed|greedy|discover) +([0-9.]+) +([0-9.]+) +([0-9.]+)", out, re.M)
-    assert [r[0] for r in rows] == ["fixed", "greedy", "discover"], out
+                "--max-job-hours", "1", "--curves", curves_file(tmp_path / "curves.json"))
+    rows = re.findall(r"^ +0 +(fixed|greedy|discover|arbiter) +([0-9.]+) +([0-9.]+) +([0-9.]+)",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["fixed", "greedy", "discover", "arbiter"], out
     assert all(float(r[1]) > 0 and float(r[2]) >= float(r[1]) for r in rows), out
-    assert re.search(r"^discover: average JCT -?\d+% below fixed", out, re.M), out
+    assert re.search(r"^arbiter: average JCT -?\d+% below fixed .* p99 [0-9.]+ x greedy's",
+                     out, re.M), out
 
 
-def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch):
+def test_cluster_sim_without_measured_curves_says_what_to_run(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cluster_sim.py"),
+                           "--curves", str(tmp_path / "none.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "run benchmarks/cluster_jobs.py" in proc.stderr
+
+
+def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch, tmp_path):
     # Two jobs each asking for the whole cluster: the second starts when the first ends.
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import argparse
     import cluster_sim
+    curves = cluster_sim.load_curves(curves_file(tmp_path / "curves.json"))
     args = argparse.Namespace(jobs=2, nodes=4, hours=0.001, min_job_hours=1.0,
                               max_job_hours=1.0, round=60.0, greedy_max=4, seed=0)
-    jobs = cluster_sim.make_trace(args)
+    jobs = cluster_sim.make_trace(args, curves)
     for job in jobs:
         job.requested = 4
     assert cluster_sim.allocate_fixed(jobs, 4, args) == {0: 4, 1: 0}
@@ -171,6 +193,16 @@ def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch):
     rule = cluster_sim.DiscoveryRule()
     fair = cluster_sim.allocate_discover(jobs, 4, args, rule)
     assert fair[0] >= 1 and fair[1] >= 1 and sum(fair.values()) <= 4
+    split, _ = cluster_sim.allocate_arbiter(jobs, 4, args, cluster_sim.SplitSettings(), 0.0,
+                                            -1e9)
+    assert split[0] >= 1 and split[1] >= 1 and sum(split.values()) <= 4
+
+
+def test_cluster_jobs_names_a_bad_job():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cluster_jobs.py"),
+                           "--jobs", "scales:3,fast:2"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "got 'fast:2'" in proc.stderr, proc.stderr
 
 
 def test_results_md_is_what_the_recorded_json_gives():

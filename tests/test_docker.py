@@ -121,3 +121,61 @@ def test_the_mpijob_runs_the_example_through_discovery_standbys_and_a_drain():
         assert mounts["shared"] == "/shared"
     assert {"name": "HVD_ADAPT_HINTS", "value": "/shared/hints.json"} in \
         launcher["containers"][0]["env"]
+
+
+# -- docker/k8s: the pool, its arbiter, and a job of the pool ----------------------------
+def test_the_pool_and_its_arbiter_are_valid_for_kubernetes_and_a_job_of_it_for_the_operator():
+    import kubernetes_validate
+    docs = k8s_documents("pool.yaml")
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    (job,) = k8s_documents("pool-mpijob.yaml")
+    assert mpijob_errors(job) == []
+    assert list(job["spec"]["mpiReplicaSpecs"]) == ["Launcher"]     # the pool's hosts only
+    assert pod_template_errors(job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]) == []
+
+
+def test_the_arbiter_and_the_jobs_discovery_meet_in_one_folder_with_the_same_code():
+    """The commands parse with hvd_adapt's own parsers; the arbiter's folder is the
+    discovery's --arbiter on the volume both mount; the pool's host file lists the
+    StatefulSet's pods; one arbiter at a time; the launcher reaches the pool with the
+    pool's key."""
+    import shlex
+
+    from hvd_adapt.scheduling import arbiter, discover
+    config, service, pool, deployment = k8s_documents("pool.yaml")
+    (job,) = k8s_documents("pool-mpijob.yaml")
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    arbiter_args = arbiter.parser().parse_args(container["args"])
+    args = launcher["containers"][0]["args"]
+    discovery = shlex.split(args[args.index("--host-discovery-script") + 1])
+    assert discovery[0] == "hvd-adapt-discover"
+    discovery_args = discover.parser().parse_args(discovery[1:])
+    assert discovery_args.arbiter == arbiter_args.folder
+    assert discovery_args.max_np == int(args[args.index("--max-np") + 1])
+    assert discovery_args.hints == {e["name"]: e["value"] for e in
+                                    launcher["containers"][0]["env"]}["HVD_ADAPT_HINTS"]
+
+    def mounted(pod, path):
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        top = next(p for p in mounts if path.startswith(p.rstrip("/") + "/"))
+        return {v["name"]: v for v in pod["volumes"]}[mounts[top]]
+    claim = mounted(deployment["spec"]["template"]["spec"], arbiter_args.folder)
+    assert claim == mounted(launcher, discovery_args.arbiter)
+    assert claim["persistentVolumeClaim"]["claimName"] == "hvd-adapt-shared"
+    hostfile = mounted(deployment["spec"]["template"]["spec"], arbiter_args.hostfile)
+    assert hostfile["configMap"]["name"] == config["metadata"]["name"]
+    from hvd_adapt.scheduling.base import parse_hosts
+    hosts, problems = parse_hosts(config["data"]["hosts"], 1, "hosts")
+    assert not problems and [h for h, _ in hosts] == [
+        f"{pool['metadata']['name']}-{i}.{service['metadata']['name']}"
+        for i in range(pool["spec"]["replicas"])]
+    assert pool["spec"]["serviceName"] == service["metadata"]["name"]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    key = mounted(launcher, "/root/.ssh/id_ed25519")["secret"]["secretName"]
+    assert key == mounted(pool["spec"]["template"]["spec"],
+                          "/root/.ssh/authorized_keys")["secret"]["secretName"]
+    assert job["spec"]["sshAuthMountPath"] != "/root/.ssh"

@@ -93,6 +93,11 @@ def check_discover(args):
     discover.check(parser.parse_args(args), parser)
 
 
+def check_arbiter(args):
+    from hvd_adapt.scheduling import arbiter
+    arbiter.parser().parse_args([a for a in args if a != "&"])
+
+
 def check_worker(args):
     from hvd_adapt.scheduling import standby
     check_command(standby.parse(standby.parser(), args)[1])
@@ -130,7 +135,11 @@ def check_docker(args):
 
 def check_kubectl(args):
     if args[0] == "apply":
-        repo_file(args[args.index("-f") + 1])
+        for index, word in enumerate(args):
+            if word == "-f":
+                repo_file(args[index + 1])
+    elif args[0] == "create":
+        assert args[1] == "secret", args
     else:
         assert args[0] == "logs", args
 
@@ -149,15 +158,15 @@ def check_command(words):
         repo_file(program, executable=True)
     elif program in COMMANDS:
         COMMANDS[program](args)
-    elif program == "/usr/sbin/sshd" or program.startswith("./"):
-        pass  # the Docker image's; the user's own script
+    elif program in ("/usr/sbin/sshd", "ssh-keygen") or program.startswith("./"):
+        pass  # the Docker image's, OpenSSH's; the user's own script
     else:
         pytest.fail(f"no rule checks {program!r}: add one to tests/test_docs.py")
 
 
 COMMANDS = {"horovodrun": check_horovodrun, "hvd-adapt-discover": check_discover,
-            "hvd-adapt-worker": check_worker, "hvd-adapt-run": check_supervisor,
-            "pip": check_pip, "docker": check_docker,
+            "hvd-adapt-arbiter": check_arbiter, "hvd-adapt-worker": check_worker,
+            "hvd-adapt-run": check_supervisor, "pip": check_pip, "docker": check_docker,
             "kubectl": check_kubectl}
 
 

@@ -32,6 +32,22 @@ def test_goodput_answers_a_scheduler_without_torch():
     assert out.stdout.split() == ["True", "False"]
 
 
+def test_the_arbiter_loads_neither_torch_nor_numpy_nor_horovod(tmp_path):
+    # hvd-adapt-arbiter's main, one cycle of it (its loop replaced by one cycle), as the
+    # console script runs it: a scheduler's process, standard library only.
+    (tmp_path / "pool").write_text("h1\n")
+    code = ("import sys; from hvd_adapt.scheduling import arbiter; "
+            "arbiter.Arbiter.serve = lambda self: self.cycle(); "
+            "assert arbiter.main(sys.argv[1:]) == 0; "
+            "print(sorted({m.split('.')[0] for m in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code, "--folder", str(tmp_path / "a"),
+                          "--hostfile", str(tmp_path / "pool"), "--ssh-port", "22"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for heavy in ("torch", "numpy", "horovod", "scipy"):
+        assert f"'{heavy}'" not in out.stdout, out.stdout
+
+
 def test_public_names_resolve_lazily():
     import hvd_adapt
     for name in hvd_adapt.__all__:

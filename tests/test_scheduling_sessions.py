@@ -165,3 +165,40 @@ def test_a_driver_that_is_pid_1_keeps_its_jobs_apart(tmp_path):
     assert all(job.returncode == 0 for job in jobs), [job.stderr[-2000:] for job in jobs]
     answers = [job.stdout.splitlines() for job in jobs]
     assert answers == [["h1:1", "h1:1 h2:1 h3:1"]] * 2, answers
+
+
+# A "driver" with three worker commands through Horovod's safe_shell_exec: one as a local
+# slot runs (the slot's variables before the command, which the shell execs), one as a
+# remote slot runs (ssh's last argument holds them), one that exits at once; and a
+# middleman that has not started its command yet (a spawn child still in the driver's
+# session). Then it asks commands() from a discovery run through safe_shell_exec too.
+COMMANDS = r"""
+import json, multiprocessing, os, sys, threading, time
+from horovod.runner.common.util import safe_shell_exec
+sleep = f"{sys.executable} -c 'import time; time.sleep(60)'"
+for command in (f"HOROVOD_HOSTNAME=h1 HOROVOD_RANK=0 exec {sleep}",
+                f"bash -c 'exec -a ssh {sys.executable} -c \"import time; time.sleep(60)\" "
+                f"h2 \"cd /x > /dev/null 2>&1 ; HOROVOD_HOSTNAME=h2 HOROVOD_RANK=1 python t.py\"'",
+                "HOROVOD_HOSTNAME=h3 true"):
+    threading.Thread(target=safe_shell_exec.execute, args=(command,), daemon=True).start()
+time.sleep(2)
+ask = (f"{sys.executable} -c 'import json; from hvd_adapt.scheduling import sessions; "
+       f"found, launching = sessions.commands(sessions.find_driver()); "
+       f"print(json.dumps([sorted(found), launching]))'")
+for pending in (False, True):
+    if pending:
+        starting = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+        starting.start()
+        time.sleep(2)
+    safe_shell_exec.execute(ask)
+starting.kill()
+os._exit(0)
+"""
+
+
+def test_the_drivers_commands_are_found_by_their_host_and_a_launch_under_way_is_seen():
+    out = subprocess.run([sys.executable, "-c", COMMANDS], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    answers = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert answers == [[["h1", "h2"], False], [["h1", "h2"], True]], (out.stdout, out.stderr)
+    assert sessions.commands(None) == ({}, False)

@@ -54,16 +54,16 @@ to standard error, which horovodrun shows. Standard library only: a run
 takes milliseconds (``benchmarks/RESULTS.md``), the base command's time aside.
 """
 import argparse
-import json
+import dataclasses
 import math
 import os
 import sys
 import time
 import zlib
 
-from .._runtime.private_files import (UnsafePathError, read_own_file, user_runtime_folder,
-                                      write_file_atomically)
-from .base import BaseDiscoveryError, base_hosts, valid_host
+from .._runtime.private_files import user_runtime_folder
+from .base import BaseDiscoveryError, base_hosts
+from .discovery_state import load_state, save_state
 from .hints import HintsError, read_hints
 from .rule import DiscoveryRule, assign
 from .ready import ready_count
@@ -101,11 +101,12 @@ def standbys_ready(args, base, seen, now, problems):
     return ready, kept
 
 
-def candidates(base, previous, answering=None, ready=None):
+def candidates(base, previous, answering=None, ready=None, keep_one=True):
     """Hosts in the order to fill them, with their capacity: last offered (as offered),
     their spare slots, then new hosts that answer and have standbys ready (``answering``:
     the hosts whose sshd answered, None without the check; ``ready``: standbys per host,
-    None when every slot counts)."""
+    None when every slot counts). ``keep_one``: where the base keeps no host of the last
+    offer, one that answers stays (not under an arbiter: only its grant is offered)."""
     capacity = dict(base)
     if ready is not None:
         capacity = {host: min(slots, previous.get(host, 0) + ready[host])
@@ -118,7 +119,7 @@ def candidates(base, previous, answering=None, ready=None):
         # again, so Horovod's driver does not launch on it after its blacklist cooldown.
         new = [host for host in new if host in answering]
         kept = [(host, slots) for host, slots in kept if host in answering]
-        if previous and not kept:
+        if previous and not kept and keep_one:
             # Horovod's driver stops a job offered no host of its world ("No hosts from
             # previous set remaining"): one of them stays while it answers.
             kept = [(host, slots) for host, slots in previous.items() if host in answering][:1]
@@ -175,7 +176,7 @@ def warn_without_keepalive(args, base, state):
     """Once per state file, where neither this script (``--ssh-port 0`` or
     ``--lost-after 0``) nor ssh (``ServerAliveInterval 0``) would notice a host cut off
     silently: one line naming the fix."""
-    if state.get("keepalive_checked") or not base or (args.ssh_port and args.lost_after):
+    if state.keepalive_checked or not base or (args.ssh_port and args.lost_after):
         return
     from .sessions import keepalive_off
     host = base[0][0]
@@ -198,7 +199,7 @@ def merge(hosts):
 def target_replicas(args, rule, kept, total, state, now):
     """How many workers to offer, and why."""
     current = sum(slots for _, slots in kept)
-    if not state.get("hosts"):
+    if not state.hosts:
         return args.initial_np or args.min_np, "first offer"
     if not args.hints:
         return total, "all that are ready"
@@ -206,18 +207,9 @@ def target_replicas(args, rule, kept, total, state, now):
         hints = read_hints(args.hints)
     except HintsError as e:
         return current, f"unreadable hints ({e})"
-    if hints is None or not hints["curve"]:
-        return current, "no speed-up curve published yet"
-    if now - hints["written_at"] > args.stale_after:
-        return current, f"hints older than {args.stale_after:g} s"
-    changed_at = state.get("changed_at", 0.0)
-    in_flight = hints["written_at"] < changed_at or hints["replicas"] != current
-    if in_flight and now - changed_at < args.settle:
-        return current, "resize in flight"
-    if now - changed_at < args.hold:
-        # A new world's first steps (warm-up, a joiner's first allocations)
-        # are slow: the curve they give would undo the resize at once.
-        return current, f"held for {args.hold:g} s after the last resize"
+    unsettled = why_unsettled(args, hints, current, state.changed_at, now)
+    if unsettled:
+        return current, unsettled
     limit = min(total, rule.growth_cap(hints["replica_counts_timed"], current))
     best = rule.target(hints["curve"], max(1, args.min_np), limit,
                        hints.get("slots_per_node", 1))
@@ -228,77 +220,33 @@ def target_replicas(args, rule, kept, total, state, now):
                   f"{speedup.get(current, 0):.2f} at {current}")
 
 
+def why_unsettled(args, hints, current, changed_at, now):
+    """Why the ``hints`` do not yet tell how ``current`` workers do (None where they do):
+    no curve yet, stale, from the world before the last change, or a hold after it."""
+    if hints is None or not hints["curve"]:
+        return "no speed-up curve published yet"
+    if now - hints["written_at"] > args.stale_after:
+        return f"hints older than {args.stale_after:g} s"
+    in_flight = hints["written_at"] < changed_at or hints["replicas"] != current
+    if in_flight and now - changed_at < args.settle:
+        return "resize in flight"
+    if now - changed_at < args.hold:
+        # A new world's first steps (warm-up, a joiner's first allocations)
+        # are slow: the curve they give would undo the resize at once.
+        return f"held for {args.hold:g} s after the last resize"
+    return None
+
+
 def default_state_path(args):
     """The state file of this base discovery and hints, and under Horovod's driver of this
     job (a later job with the same arguments starts afresh, at its first offer; two at once
     keep apart): in this user's private runtime folder (``$XDG_RUNTIME_DIR``, else a
     checked 0700 folder in the temp folder)."""
     from .sessions import driver_key
-    key = repr((args.hostfile, args.command, args.hints, driver_key()))
+    key = repr((args.hostfile, args.command, args.hints, driver_key()) +
+               ((args.arbiter, args.job) if args.arbiter else ()))
     key = f"{zlib.crc32(key.encode()):08x}"
     return os.path.join(user_runtime_folder("discover"), f"{key}.json")
-
-
-def load_state(path):
-    """The state of the last run: ``{"hosts": {host: slots}, "changed_at": t, "standbys":
-    {ready file: [mtime_ns, change seen at]}, "said": [problems said], "watch": [hosts the
-    job had sessions to], "unanswered": {host: [first missed probe at, probes missed]},
-    "ended": {host: its sessions ended at}, "keepalive_checked": bool}``; a fresh one
-    where there is no state file or it is not one (the reason on stderr). A file of another user, or one others may write, raises
-    :class:`~hvd_adapt._runtime.private_files.UnsafePathError`."""
-    try:
-        state = json.loads(read_own_file(path, limit=1 << 20))
-        hosts = {host: slots for host, slots in state["hosts"]}
-        if not all(valid_host(h) and type(s) is int and s > 0 for h, s in hosts.items()):
-            raise ValueError("a host or slot count is not valid")
-        changed_at = state.get("changed_at", 0.0)
-        if not _finite(changed_at):
-            raise ValueError(f"changed_at {changed_at!r} is not a number")
-        standbys = state.get("standbys", {})
-        if not all(isinstance(p, str) and isinstance(s, list) and len(s) == 2
-                   and type(s[0]) is int and (s[1] is None or _finite(s[1]))
-                   for p, s in standbys.items()):
-            raise ValueError("a standby heartbeat is not valid")
-        said = state.get("said", [])
-        if not (isinstance(said, list) and all(isinstance(p, str) for p in said)):
-            raise ValueError("the problems said are not a list of strings")
-        watch = state.get("watch", [])
-        if not (isinstance(watch, list) and all(valid_host(h) for h in watch)):
-            raise ValueError("the hosts watched are not host names")
-        unanswered = state.get("unanswered", {})
-        if not all(valid_host(h) and isinstance(v, list) and len(v) == 2 and _finite(v[0])
-                   and type(v[1]) is int and v[1] > 0 for h, v in unanswered.items()):
-            raise ValueError("a missed probe record is not valid")
-        ended = state.get("ended", {})
-        if not all(valid_host(h) and _finite(v) for h, v in ended.items()):
-            raise ValueError("a time of ended sessions is not valid")
-        checked = state.get("keepalive_checked", False)
-        if type(checked) is not bool:
-            raise ValueError("keepalive_checked is not a boolean")
-        return {"hosts": hosts, "changed_at": changed_at, "standbys": standbys, "said": said,
-                "watch": watch, "unanswered": unanswered, "ended": ended,
-                "keepalive_checked": checked}
-    except FileNotFoundError:
-        pass
-    except UnsafePathError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        sys.stderr.write(f"hvd-adapt-discover: ignoring the state file {path}: {e}\n")
-    return {"hosts": {}}
-
-
-def _finite(value):
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def save_state(path, state):
-    """Remember this run's answer (and the problems it said, the hosts watched); a failed
-    write (a full disk) costs the memory, not the answer: a line on stderr, and the run
-    goes on."""
-    try:
-        write_file_atomically(path, json.dumps(state).encode())
-    except OSError as e:
-        sys.stderr.write(f"hvd-adapt-discover: cannot save the state file: {e}\n")
 
 
 def discover(args, now=None):
@@ -306,37 +254,43 @@ def discover(args, now=None):
     or failed base answer keeps the hosts offered last, as do unreadable hints; each
     problem is said on stderr once, while it lasts (Horovod runs this every second).
     Under Horovod's driver, the job's sessions to a host that stopped answering are
-    ended (:func:`end_lost_sessions`)."""
+    ended (:func:`end_lost_sessions`). With ``--arbiter`` the base is the job's grant,
+    every granted host that is ready is offered, and each run reports to the arbiter
+    (:mod:`.arbiter_client`)."""
     now = time.time() if now is None else now
     rule = DiscoveryRule(args.efficiency, args.min_gain, args.min_change, args.growth_limit)
     state_path = args.state or default_state_path(args)
     state = load_state(state_path)
-    previous = list(state["hosts"].items())
+    previous = list(state.hosts.items())
     problems = []
-    try:
-        base, left_out = base_hosts(args)
-    except BaseDiscoveryError as e:
-        if not previous:
-            raise
-        base, left_out = [], [str(e)]
-    problems += [f"left out: {problem}" for problem in left_out]
+    if args.arbiter:
+        base, state = granted_hosts(args, state, problems)
+    else:
+        try:
+            base, left_out = base_hosts(args)
+        except BaseDiscoveryError as e:
+            if not previous:
+                raise
+            base, left_out = [], [str(e)]
+        problems += [f"left out: {problem}" for problem in left_out]
     warn_without_keepalive(args, base, state)
+    from .sessions import find_driver
+    driver = find_driver()
     live = {}
     if args.ssh_port and args.lost_after:
-        from .sessions import find_driver, sessions
-        live = sessions(find_driver(), set(state.get("watch", [])) | set(state["hosts"])
-                        | {host for host, _ in base})
-    new = [host for host, _ in base if host not in state["hosts"]]
-    answering, silent = probe_hosts(args, new + list(state["hosts"]) + list(live),
-                                    list(state["hosts"]) + list(live))
-    ended_at = {host: at for host, at in state.get("ended", {}).items()
+        from .sessions import sessions
+        live = sessions(driver, set(state.watch) | set(state.hosts) | {host for host, _ in base})
+    new = [host for host, _ in base if host not in state.hosts]
+    answering, silent = probe_hosts(args, new + list(state.hosts) + list(live),
+                                    list(state.hosts) + list(live))
+    ended_at = {host: at for host, at in state.ended.items()
                 if 0 <= now - at < FREEZE_AFTER_END}
-    unanswered = end_lost_sessions(args, live, silent, state.get("unanswered", {}), ended_at,
-                                   now)
-    memory = {"watch": sorted(live), "unanswered": unanswered, "ended": ended_at,
-              "keepalive_checked": True}
+    unanswered = end_lost_sessions(args, live, silent, state.unanswered, ended_at, now)
+    # What every run remembers, whatever it answers.
+    state = dataclasses.replace(state, watch=sorted(live), unanswered=unanswered,
+                                ended=ended_at, keepalive_checked=True)
     frozen = sorted(set(unanswered) | set(ended_at))
-    if previous and (frozen or not base):
+    if previous and (frozen or not (base or args.arbiter)):
         # Any change of the offer makes Horovod's driver notify the world's rank 0 from
         # its discovery thread, over a socket with no timeout (elastic/driver.py,
         # _notify_workers_host_changes), while it holds the lock that forming the next
@@ -350,36 +304,94 @@ def discover(args, now=None):
             problems.append(f"the base discovery listed no usable host; keeping the current "
                             f"{sum(s for _, s in previous)} worker(s) on "
                             f"{', '.join(f'{h}:{s}' for h, s in previous)}")
-        say_new(problems, state)
-        save_state(state_path, {"hosts": previous, "changed_at": state.get("changed_at", 0.0),
-                                "standbys": state.get("standbys", {}), "said": problems,
-                                **memory})
-        return previous
-    ready, standbys = standbys_ready(args, base, state.get("standbys", {}), now, problems)
-    kept, more = candidates(base, state["hosts"], answering, ready)
-    total = sum(slots for _, slots in kept + more)
-    if args.max_np:
-        total = min(total, args.max_np)
-    replicas, why = target_replicas(args, rule, kept, total, state, now)
-    if why.startswith("unreadable hints"):
-        problems.append(f"{why}; keeping the current hosts")
-    replicas = max(args.min_np, min(replicas, total))
-    hosts = merge(assign(kept + more, replicas))
-    changed_at = state.get("changed_at", 0.0)
+        hosts, changed_at, standbys = previous, state.changed_at, state.standbys
+    else:
+        ready, standbys = standbys_ready(args, base, state.standbys, now, problems)
+        kept, more = candidates(base, state.hosts, answering, ready,
+                                keep_one=not args.arbiter)
+        total = sum(slots for _, slots in kept + more)
+        if args.max_np:
+            total = min(total, args.max_np)
+        if args.arbiter:
+            replicas, why = total, "granted by the arbiter"
+        else:
+            replicas, why = target_replicas(args, rule, kept, total, state, now)
+        if why.startswith("unreadable hints"):
+            problems.append(f"{why}; keeping the current hosts")
+        replicas = max(args.min_np, min(replicas, total))
+        hosts = merge(assign(kept + more, replicas))
+        changed_at = now if hosts != previous else state.changed_at
+        if hosts != previous:
+            sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
+                             f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} "
+                             f"({why})\n")
+    state = dataclasses.replace(state, hosts=dict(hosts), changed_at=changed_at,
+                                standbys=standbys)
+    if args.arbiter:
+        state = report_to_arbiter(args, state, hosts, driver, now, problems)
     say_new(problems, state)
-    if hosts != previous:
-        changed_at = now
-        sys.stderr.write(f"hvd-adapt-discover: {sum(s for _, s in hosts)} worker(s) on "
-                         f"{', '.join(f'{h}:{s}' for h, s in hosts) or 'no host'} ({why})\n")
-    save_state(state_path, {"hosts": hosts, "changed_at": changed_at, "standbys": standbys,
-                            "said": problems, **memory})
+    save_state(state_path, dataclasses.replace(state, said=problems))
     return hosts
+
+
+def job_name(args):
+    """``--job``, or the hints file's name without its extension, or "job"."""
+    if args.job is not None:
+        return args.job
+    return os.path.splitext(os.path.basename(args.hints))[0] if args.hints else "job"
+
+
+def job_key(args):
+    from .arbiter_client import job_key as key
+    from .sessions import driver_key
+    return key(job_name(args), driver_key())
+
+
+def granted_hosts(args, state, problems):
+    """The job's grant (the base under an arbiter), and the state remembering it."""
+    from .arbiter_client import grant
+    generation, hosts, problem = grant(args.arbiter, job_key(args),
+                                       (state.generation, state.grant))
+    if problem:
+        problems.append(problem)
+    if hosts is None:
+        return [], state
+    if hosts == [] and state.hosts:
+        problems.append(f"the arbiter granted {job_name(args)} no host: it offers none")
+    return hosts, dataclasses.replace(state, grant=hosts, generation=generation)
+
+
+def report_to_arbiter(args, state, hosts, driver, now, problems):
+    """Write this run's report (a failed write is said; the answer stands). Returns the
+    state counting it."""
+    from .arbiter_client import report, write_report
+    from .sessions import commands
+    curve, timed, settled = None, 1, False
+    if args.hints:
+        try:
+            hints = read_hints(args.hints)
+        except HintsError as e:
+            problems.append(f"unreadable hints ({e}): reporting no curve")
+            hints = None
+        if hints is not None and hints["curve"]:
+            curve = [[e["replicas"], e["goodput"]] for e in hints["curve"]]
+            timed = max(hints["replica_counts_timed"], default=hints["replicas"])
+            current = sum(slots for _, slots in hosts)
+            settled = why_unsettled(args, hints, current, state.changed_at, now) is None
+    run = state.reports + 1
+    data = report(args, job_name(args), run, state.generation, curve, timed, settled, hosts,
+                  None if driver is None else commands(driver))
+    try:
+        write_report(args.arbiter, job_key(args), data)
+    except OSError as e:
+        problems.append(f"cannot write the report to the arbiter: {e}")
+    return dataclasses.replace(state, reports=run)
 
 
 def say_new(problems, state):
     """Write the ``problems`` the last run did not already say to stderr."""
     for problem in problems:
-        if problem not in state.get("said", ()):
+        if problem not in state.said:
             sys.stderr.write(f"hvd-adapt-discover: {problem}\n")
 
 
@@ -391,6 +403,12 @@ def parser():
     base = p.add_mutually_exclusive_group(required=True)
     base.add_argument("--hostfile", help="base hosts: a file of 'host[:slots]' lines")
     base.add_argument("--command", help="base hosts: a command printing 'host[:slots]' lines")
+    base.add_argument("--arbiter", metavar="FOLDER",
+                      help="offer the hosts hvd-adapt-arbiter grants this job (its folder), "
+                           "and report to it at every run")
+    p.add_argument("--job", default=None,
+                   help="the job's name in the arbiter's logs (default: the hints file's name "
+                        "without its extension, else 'job')")
     p.add_argument("--command-timeout", type=float, default=10.0,
                    help="seconds the base command may take (default 10)")
     p.add_argument("--slots", type=int, default=1,
@@ -441,6 +459,10 @@ def parser():
 
 
 def check(args, p):
+    from .arbiter_files import valid_name
+    if not valid_name(job_name(args)):
+        p.error(f"--job must be letters, digits and _.- (at most 128, not starting with a "
+                f"dot), got {job_name(args)!r}")
     if args.min_np < 1:
         p.error(f"--min-np must be >= 1, got {args.min_np}")
     if args.max_np is not None and args.max_np < args.min_np:

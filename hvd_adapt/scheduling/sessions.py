@@ -33,6 +33,7 @@ True
 True
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,22 +103,23 @@ def driver_key():
     return None if stat is None else f"{driver}.{stat[2]}"
 
 
+def running(key):
+    """True while the process a :func:`driver_key` names still runs (same pid, same start
+    time: a reused pid is not it); False once it has exited."""
+    pid, _, start = key.partition(".")
+    if not (pid.isdigit() and start.isdigit()):
+        return False
+    stat = _stat(int(pid))
+    return stat is not None and stat[2] == int(start)
+
+
 def sessions(driver, hosts):
     """``{host: [pids]}``: the driver's processes (outside this process's session) that
     carry a command to one of ``hosts``."""
     if driver is None or not hosts:
         return {}
     own_session = os.getsid(0)
-    table = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:        # no /proc: nothing can be found, nothing is ended
-        return {}
-    for name in names:
-        if name.isdigit():
-            stat = _stat(int(name))
-            if stat is not None:
-                table[int(name)] = stat
+    table = _process_table()
     middlemen = {pid for pid, (ppid, sid, _) in table.items()
                  if ppid == driver and sid == pid and pid != own_session}
     found = {}
@@ -131,6 +133,66 @@ def sessions(driver, hosts):
             if host in argv[1:]:
                 found.setdefault(host, []).append(pid)
     return found
+
+
+def _process_table():
+    """``{pid: (ppid, sid, start)}`` of every process (empty without /proc)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:        # no /proc: nothing can be found, nothing is ended
+        return table
+    for name in names:
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    return table
+
+
+# How a worker's command names its host: Horovod puts the slot's variables before the
+# command (runner/gloo_run.py), in the shell's command line locally and inside ssh's
+# remote command; a shell that execs the command leaves it in the environment.
+_HOST_VARIABLE = re.compile(r"(?:^|[\s'\";])HOROVOD_HOSTNAME=([^\s'\";]+)")
+
+
+def _named_host(pid):
+    found = _HOST_VARIABLE.search(" ".join(_argv(pid)))
+    if found:
+        return found.group(1)
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"HOROVOD_HOSTNAME="):
+            return entry.split(b"=", 1)[1].decode(errors="replace") or None
+    return None
+
+
+def commands(driver):
+    """``({host: [pids]}, launching)``: the driver's worker commands by the host each runs
+    a worker on (remote or local: the ``HOROVOD_HOSTNAME`` its command carries), and
+    whether a command names no host yet (a middleman just started, not yet running its
+    command: a launch under way). ``({}, False)`` without a driver. Where a host has none,
+    the driver runs nothing there: the worker's command has exited (or never started)."""
+    if driver is None:
+        return {}, False
+    own_session = os.getsid(0)
+    table = _process_table()
+    found, launching = {}, False
+    for pid, (ppid, sid, _) in table.items():
+        if ppid != driver or pid == own_session or SPAWN_MARK not in _argv(pid):
+            continue
+        # Until the middleman has called setsid its command has not started.
+        members = [p for p, (_, s, _) in table.items() if s == pid] if sid == pid else []
+        host = next(filter(None, map(_named_host, members)), None)
+        if host is None:
+            launching = True
+        else:
+            found.setdefault(host, []).extend(members)
+    return found, launching
 
 
 def end(pids):

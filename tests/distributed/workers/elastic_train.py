@@ -7,6 +7,8 @@ and drops them on restore), and rank 0 appends each epoch's accumulator totals
 to epochs.jsonl.
 """
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -199,6 +201,14 @@ def main():
                         help="seconds each sample's forward and backward sleep: the compute of "
                              "a host's own accelerator, which workers sharing this machine's "
                              "cores do not have")
+    parser.add_argument("--stop-file", default=None,
+                        help="end after the first epoch that ends once rank 0 sees this file "
+                             "(every rank follows rank 0's word)")
+    parser.add_argument("--device-lock", default=None,
+                        help="a file each host has its own of (on its local disk): the "
+                             "--sample-seconds sleep holds an exclusive lock on it, as a "
+                             "worker holds its host's accelerator, so two jobs' workers on one "
+                             "host take turns")
     parser.add_argument("--swap-dir", default=None,
                         help="the optimizer's state on disk in this folder")
     parser.add_argument("--raise-at-step", type=int, default=-1,
@@ -348,7 +358,8 @@ def main():
                 opt.zero_grad()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
                     loss = model(x.to(device)).pow(2).mean()
-                time.sleep(args.sample_seconds * len(x))
+                with accelerator(args.device_lock):
+                    time.sleep(args.sample_seconds * len(x))
                 if state.step in args.inf_steps and hvd.rank() == hvd.size() - 1:
                     loss = loss * float("inf")
                 if scaler is not None:
@@ -401,6 +412,9 @@ def main():
                 stats.clear()
             if args.until_step is not None and state.step >= args.until_step:
                 break
+            if args.stop_file and hvd.broadcast_object(os.path.exists(args.stop_file),
+                                                       name="stop_file"):
+                break
             if (args.kill_old_after_grow or args.kill_in_checkpoint) and kills_fired() >= max(
                     args.kill_old_after_grow, args.kill_in_checkpoint):
                 break
@@ -416,6 +430,20 @@ def main():
 worlds_seen = []   # this process's world sizes, one per attempt of the training function
 # Under hvd-adapt-run: which launch of the job this process belongs to (0: the first).
 RESTARTS = int(os.environ.get("HVD_ADAPT_RESTARTS", "0"))
+
+
+@contextlib.contextmanager
+def accelerator(lock_path):
+    """The host's one accelerator, held while a sample's compute sleeps (None: no lock)."""
+    if lock_path is None:
+        yield
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def kills_fired():
