@@ -1,14 +1,14 @@
 """Optimizer state on disk (``swap_dir``) against raw disk I/O and against the state in
 memory, in one invocation.
 
-- **disk**: the swapper's writes and reads of a ``--state-gb`` state, through its own I/O
-  (``hvd_adapt/swap/io.py``: a whole file written by ``stream``, the pool's buffers cut
-  into request-sized slots in flight on its I/O threads, into a file reserved with
-  ``posix_fallocate``; read as a step reads it, a buffer's ``Transfer`` per chunk, as
-  many in flight as the pool has buffers), against raw ``pwrite``/``pread`` at the
-  **same concurrency and request size** (``--workers`` threads, 8 MiB requests): both
-  read the swapper's live file, both write a file reserved the same way. ``O_DIRECT`` on
-  both sides (no page cache), interleaved, ``--rounds`` rounds; medians and ranges.
+- **disk**: the swapper's writes and reads of a ``--state-gb`` state through its own I/O
+  (``hvd_adapt/swap/io.py``'s ``windows``: the file a buffer at a time, every buffer of
+  the pool in flight, its requests on the I/O threads, as a step moves its chunks; a
+  write into a file reserved with ``posix_fallocate``), against raw ``pwrite``/``pread``
+  at the **same concurrency and request size** (``--workers`` threads, 8 MiB requests):
+  both read the swapper's live file, both write a file reserved the same way.
+  ``O_DIRECT`` on both sides (no page cache), interleaved, ``--rounds`` rounds; medians
+  and ranges.
 - **memory and step time**: an AdamW job whose largest parameter is an embedding
   (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
   memory, each in a process of its own, ``--job-rounds`` rounds of the two in
@@ -49,7 +49,7 @@ def disk(folder, state_gb, rounds, workers):
     """Rounds of swapper and raw writes and reads of the same bytes, interleaved."""
     import types
     from hvd_adapt.swap.files import StateFiles
-    from hvd_adapt.swap.io import IO_BYTES, AlignedBuffer, BufferPool, Transfer, stream
+    from hvd_adapt.swap.io import IO_BYTES, AlignedBuffer, BufferPool, windows
     from hvd_adapt.swap.step import BUFFERS
     buffer_bytes = 16 << 20         # the pool's buffers at their default's largest
     nbytes = max(1, round(state_gb * 1e9 / buffer_bytes)) * buffer_bytes
@@ -61,26 +61,15 @@ def disk(folder, state_gb, rounds, workers):
         buffer.bytes.random_(0, 255)
 
     def swap_write():
-        tasks = ((offset, min(IO_BYTES, nbytes - offset), lambda target: None)
-                 for offset in range(0, nbytes, IO_BYTES))
         with files.new(layout) as (_, writer):
-            stream(io, pool, BUFFERS, writer, tasks)
+            windows(io, pool, writer, nbytes, True)
 
     def swap_read():
-        reader, taken, flight = files.open(files.live), [], []
+        reader = files.open(files.live)
         try:
-            taken += [pool.take() for _ in range(BUFFERS)]
-            for offset in range(0, nbytes, buffer_bytes):
-                if len(flight) == BUFFERS:
-                    flight.pop(0).wait()
-                buffer = taken[offset // buffer_bytes % BUFFERS]
-                flight.append(Transfer(io, reader, buffer, [(offset, 0, buffer_bytes)], False))
-            for transfer in flight:
-                transfer.wait()
+            windows(io, pool, reader, nbytes, False)
         finally:
             reader.close()
-            for buffer in taken:
-                pool.give_back(buffer)
 
     def raw(path, write):
         """``workers`` threads moving 8 MiB requests, each its own buffer, O_DIRECT; a short
@@ -143,8 +132,8 @@ def model_for(state_gb):
 
 def worker(args):
     """One job: ``--mode memory|swap``, ``--micro`` micro-steps per optimizer step; the model
-    ``--gb`` (an embedding and layers, see :func:`model_for`) or, with ``--gb 0``, 24 x
-    Linear(1024, 1024)."""
+    ``--gb`` (an embedding and layers, see :func:`model_for`) or, with ``--gb 0``,
+    ``--default-layers`` x Linear(1024, 1024)."""
     import torch
     import hvd_adapt
     hvd_adapt.init()
@@ -159,7 +148,8 @@ def worker(args):
         def batch():
             return torch.randint(vocab, (args.batch, 16), generator=tokens)
     else:
-        vocab, model = 0, torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+        vocab, model = 0, torch.nn.Sequential(*[torch.nn.Linear(1024, 1024)
+                                                for _ in range(args.default_layers)])
 
         def batch():
             return torch.randn(args.batch, 1024, generator=tokens)
@@ -201,7 +191,8 @@ def launch(mode, gb, args, micro=None):
     out = tempfile.mktemp(suffix=".json")
     command = [sys.executable, HERE, "--worker", "--mode", mode, "--gb", str(gb), "--out", out,
                "--micro", str(micro or args.micro), "--steps", str(args.steps), "--batch",
-               str(args.batch), "--swap-dir", args.swap_dir] + (
+               str(args.batch), "--swap-dir", args.swap_dir,
+               "--default-layers", str(args.default_layers)] + (
         ["--buffer-mb", str(args.buffer_mb)] if args.buffer_mb else [])
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
@@ -211,8 +202,9 @@ def launch(mode, gb, args, micro=None):
 
 
 def default_memory(args):
-    """Peak RSS of 24 x Linear(1024, 1024) with AdamW, in memory and swapped with the
-    library's default buffers, ``--job-rounds`` rounds alternating: saved over the state."""
+    """Peak RSS of ``--default-layers`` x Linear(1024, 1024) with AdamW, in memory and
+    swapped with the library's default buffers, ``--job-rounds`` rounds alternating: saved
+    over the state."""
     if args.buffer_mb:
         return None         # only where users start: no swap_buffer_mb
     rounds = []
@@ -221,12 +213,12 @@ def default_memory(args):
         rounds.append({mode: launch(mode, 0, args, micro=1) for mode in order})
     state = rounds[0]["swap"]["state_bytes"]
     saved = [(r["memory"]["peak_bytes"] - r["swap"]["peak_bytes"]) / state for r in rounds]
-    print(f"memory at default settings: 24 x Linear(1024, 1024), AdamW state "
+    print(f"memory at default settings: {args.default_layers} x Linear(1024, 1024), AdamW state "
           f"{state / 1e6:.0f} MB: peak RSS in memory "
           f"{statistics.median(r['memory']['peak_bytes'] for r in rounds) / 1e6:.0f} MB, "
           f"swapped {statistics.median(r['swap']['peak_bytes'] for r in rounds) / 1e6:.0f} MB, "
           f"saved/state {spread(saved)} (goal >= 0.7)", flush=True)
-    return {"state_bytes": state, "saved_over_state_rounds": saved,
+    return {"layers": args.default_layers, "state_bytes": state, "saved_over_state_rounds": saved,
             "memory_peak_bytes": [r["memory"]["peak_bytes"] for r in rounds],
             "swap_peak_bytes": [r["swap"]["peak_bytes"] for r in rounds]}
 
@@ -250,6 +242,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-step")
     parser.add_argument("--buffer-mb", type=float, default=None,
                         help="each swap buffer (default: the library's, as users start)")
+    parser.add_argument("--default-layers", type=int, default=24,
+                        help="Linear(1024, 1024) layers of the job at default settings")
     parser.add_argument("--json", default=None,
                         help="also write the results here (relative: under benchmarks/results/)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -151,7 +151,7 @@ def default_memory(row):
     if not row:
         return None
     saved = row["saved_over_state_rounds"]
-    return (f"Memory at default settings (24 x Linear(1024, 1024), AdamW state "
+    return (f"Memory at default settings ({row['layers']} x Linear(1024, 1024), AdamW state "
             f"{row['state_bytes'] / 1e6:.0f} MB, no `swap_buffer_mb`): peak RSS saved "
             f"{statistics.median(saved):.2f} ({min(saved):.2f}-{max(saved):.2f}) x the state "
             "(goal >= 0.7).\n")

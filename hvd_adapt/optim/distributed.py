@@ -286,7 +286,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         by_group = {}
         for i, index in enumerate(group_indices):
             by_group.setdefault(index, []).append(i)
-        source = self._state.read(params, {"exp_avg_sq", "step"})
+        source = self._state.tensors(params, {"exp_avg_sq", "step"})
         for index, members in by_group.items():
             states = [source.get(params[i], {}) for i in members]
             for i, denominator in zip(members, adam_denominators(states, groups[index])):

@@ -25,12 +25,9 @@ class OptimizerState:
         failure every rank's."""
         raise NotImplementedError
 
-    def tensors(self):
-        """The live state, as a state dict holds it."""
-        raise NotImplementedError
-
-    def read(self, params, keys):
-        """The live ``keys`` of ``params``' state (the noise scale's Adam denominators)."""
+    def tensors(self, params=None, keys=None):
+        """The live state, as a state dict holds it; or, for the noise scale's Adam
+        denominators, the ``keys`` of ``params``' state, read now and not kept."""
         raise NotImplementedError
 
     def commit(self):
@@ -76,12 +73,9 @@ class MemoryState(OptimizerState):
     def step(self, closure=None, agree=None):
         return self.optimizer.step(closure)
 
-    def tensors(self):
-        return self.optimizer.state
-
-    def read(self, params, keys):
+    def tensors(self, params=None, keys=None):
         state = self.optimizer.state
-        return {p: state[p] for p in params if p in state}
+        return state if params is None else {p: state[p] for p in params if p in state}
 
     def commit(self):
         return self.optimizer.state, None

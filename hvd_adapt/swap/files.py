@@ -1,22 +1,8 @@
-"""The files of the optimizer state on disk: the folder they live in, and each file's life.
-
-Each optimizer has a folder of its own, ``<swap_dir>/hvd_adapt-swap-<random>`` (0700,
-an unpredictable name, so ``swap_dir`` may be shared like /tmp), ``flock``-ed while the
-optimizer lives: a folder whose lock is free is a dead process's and is removed by the
-next optimizer that starts there; another user's, or one in use, is left alone.
-
-A :class:`StateFile` holds one version of the state with the layout it was written
-with. :class:`StateFiles` takes each through one life: **new** (being written, in
-:meth:`StateFiles.new`: discarded if anything fails there), **live** and/or
-**committed**, **lent** (tensors mapped from it were handed out: never written over
-again), then the **spare** (no longer used: the next new file is written over it, so
-no blocks are freed and allocated again at each step) or **removed**.
-
-The folder is the job's own. No descriptor stays open on a file between uses: each use
-opens it by name, never through a link, and checks that it is the file written (device
-and inode), so a file removed or replaced behind the job's back fails that use loudly,
-naming it, and forked children (DataLoader workers) keep no file allocated.
-"""
+"""The files of the optimizer state on disk, in a folder of its own (``<swap_dir>/hvd_adapt-
+swap-<random>``, 0700, ``flock``-ed while it lives: one whose lock is free is a dead
+process's, removed by the next to start there). Each use opens its file by name, never
+through a link, and checks it is the file written (device and inode): a file removed or
+replaced behind the job's back fails that use loudly. No descriptor stays open."""
 import contextlib
 import errno
 import itertools
@@ -35,35 +21,31 @@ PREFIX = "hvd_adapt-swap-"
 
 
 class StateFile:
-    """One file of the state: its ``name`` in the folder, ``identity`` (device and inode of
-    the file created), the :class:`~hvd_adapt.swap.layout.Layout` it holds, the ``serial``
-    of that content (what a commit is restored by) and whether it was ``lent``."""
+    """A file's ``name``, ``identity`` (device, inode), ``layout``, ``serial`` (of its content:
+    a commit's mark), whether it was ``lent``."""
 
     def __init__(self, name, identity):
-        self.name, self.identity = name, identity
-        self.layout = self.serial = None
-        self.lent = False
+        self.name, self.identity, self.layout, self.serial, self.lent = \
+            name, identity, None, None, False
 
 
 class StateFiles:
-    """The optimizer's own folder under ``directory``, its :attr:`live` file and its
-    :attr:`committed` one (None: no state). ``o_direct``: read and write around the page
-    cache where the file system takes it (each file falls back to plain I/O where not)."""
+    """The optimizer's folder under ``directory`` and each file's life: new (being written,
+    in :meth:`new`), :attr:`live` and/or :attr:`committed`, lent (mapped tensors handed
+    out), then the spare (the next new file, written over: no blocks freed and allocated at
+    each step) or removed. ``o_direct`` where the file system takes it."""
 
     def __init__(self, directory, o_direct=True):
         self.root, self.fd = new_locked_folder(directory, PREFIX)
         self.live = self.committed = self._spare = None
-        self._names, self._serials = itertools.count(), itertools.count(1)
-        self._leftover = []         # files no longer used that could not be removed yet
-        self.direct = o_direct
+        self._names, self._serials, self.direct = itertools.count(), itertools.count(1), o_direct
+        self._leftover = set()      # files no longer used that could not be removed yet
 
     @contextlib.contextmanager
     def new(self, layout):
-        """A file to write ``layout``'s state into, its space reserved (a full disk fails
-        here): the spare where there is one, else a new file. Yields ``(file, writer)``
-        (a :class:`~hvd_adapt.swap.io.CheckedFile`); on leaving, the writer is closed and
-        the file is live, or, where the block raised, the spare is the spare again (a file
-        created here is removed) and the exception goes on."""
+        """``(file, writer)`` for ``layout``'s state, its space reserved (a full disk fails
+        here): the spare, else a new file; live on leaving, or, where the block raised, the
+        spare again (a file made here: removed)."""
         file, self._spare = self._spare, None
         writer, created = None, file is None
         try:
@@ -72,10 +54,9 @@ class StateFiles:
             else:
                 try:
                     writer = self.open(file, os.O_RDWR)
-                except SwapError as e:
-                    if e.errno != errno.ESTALE:     # another file took its name: left alone
-                        self._unlink(file)
-                    file = None     # said once (this use fails), then a new file is made
+                except SwapError:   # said once (this use fails), then a new file is made
+                    self._leftover.add(file)
+                    file = None
                     raise
             writer.reserve(layout.nbytes)
             yield file, writer
@@ -92,44 +73,39 @@ class StateFiles:
             self._unlink(left)
 
     def make_live(self, file):
-        """``file`` (None: no state) is the live one; the one before goes where unused."""
+        """``file`` (None: no state) is the live one."""
         previous, self.live = self.live, file
         self._release(previous)
 
     def commit(self):
-        """Keep the live file as the commit's (the one before is released); returns its
-        mark: its serial (0: no state)."""
+        """Keep the live file as the commit's; returns its mark, its serial (0: no state)."""
         previous, self.committed = self.committed, self.live
         self._release(previous)
         return 0 if self.live is None else self.live.serial
 
     def kept(self, mark):
         """The file a commit's ``mark`` names (None: the commit had no state)."""
-        if mark == 0:
-            return None
-        if self.committed is None or self.committed.serial != mark:
+        if mark and (self.committed is None or self.committed.serial != mark):
             raise SwapError(errno.ENOENT, "that commit's optimizer state is no longer on disk "
                             "(a later commit replaced it)")
-        return self.committed
+        return self.committed if mark else None
 
     def _create(self):
         name = f"state{next(self._names)}.bin"
+        path = os.path.join(self.root, name)
         try:
             fd = create_exclusive(name, flags=os.O_RDWR, dir_fd=self.fd)
         except OSError as e:
-            raise failure(e.errno, f"cannot create {os.path.join(self.root, name)}"
-                          + self._gone()) from e
+            raise failure(e.errno, f"cannot create {path}{self._gone()}") from e
         st = os.fstat(fd)
-        return StateFile(name, (st.st_dev, st.st_ino)), \
-            CheckedFile(fd, os.path.join(self.root, name), self.direct)
+        return StateFile(name, (st.st_dev, st.st_ino)), CheckedFile(fd, path, self.direct)
 
     def _gone(self):
         return " (the folder was removed behind this job's back)" \
             if os.fstat(self.fd).st_nlink == 0 else ""
 
     def open(self, file, flags=os.O_RDONLY):
-        """A :class:`~hvd_adapt.swap.io.CheckedFile` of ``file``, opened by name; raises
-        ``SwapError`` where it is gone or another file took its name."""
+        """``file`` opened by name; ``SwapError`` where it is gone or replaced."""
         path = os.path.join(self.root, file.name)
         try:
             fd = os.open(file.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
@@ -143,8 +119,7 @@ class StateFiles:
 
     def map(self, file, lend=True):
         """``file``'s state as a uint8 tensor mapped from it (read lazily, copy-on-write; an
-        unlinked file stays readable while mapped). ``lend``: tensors made of it are handed
-        out, so the file is never written over again."""
+        unlinked file stays readable while mapped); ``lend``: never written over again."""
         nbytes = file.layout.nbytes
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
@@ -165,10 +140,9 @@ class StateFiles:
             self._retire(file)
 
     def _retire(self, file, remove=False):
-        """``file`` is no longer used: the spare, unless there is one, tensors mapped from it
-        were handed out (writing over it would change them) or ``remove``; else removed."""
+        """``file`` is no longer used: the spare, unless there is one, it was lent (writing
+        over it would change the tensors handed out) or ``remove``; else removed."""
         if self._spare is None and not file.lent and not remove:
-            file.layout = file.serial = None
             self._spare = file
         else:
             self._unlink(file)
@@ -185,7 +159,6 @@ class StateFiles:
                 log.warning("hvd_adapt swap: cannot remove %s, no longer used: %s; it goes "
                             "once the folder takes it", os.path.join(self.root, file.name),
                             os.strerror(e.errno))
-                self._leftover.append(file)
+            self._leftover.add(file)
             return
-        if file in self._leftover:
-            self._leftover.remove(file)
+        self._leftover.discard(file)

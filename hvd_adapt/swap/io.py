@@ -1,12 +1,6 @@
-"""Checked file I/O for the optimizer state on disk: aligned buffers in a bounded pool,
-transfers that move every byte they are asked to or raise :class:`SwapError`, and the
-pipeline that writes a whole file.
-
-``os.preadv``/``os.pwritev`` may move fewer bytes than asked (a signal, a full disk
-part-way, the end of a file): each transfer loops until it is complete, and a short
-read at the end of a file or an ``OSError`` becomes a ``SwapError`` that names the
-file and the bytes, its ``errno`` a number (what the ranks' agreements carry).
-"""
+"""Checked file I/O: aligned buffers in a bounded pool, and transfers that move every byte
+asked (``preadv``/``pwritev`` may move fewer: a signal, a full disk, the end of a file) or
+raise :class:`SwapError` naming the file and the bytes, its ``errno`` a number."""
 import concurrent.futures
 import errno
 import fcntl
@@ -21,13 +15,11 @@ IO_BYTES = 8 << 20      # one pread/pwrite request: 8 MiB
 
 
 class SwapError(OSError):
-    """Reading or writing the optimizer state on disk failed; ``errno`` says why, the message
-    names the file and the bytes."""
+    """The optimizer state on disk could not be read, written or used (``errno``: why)."""
 
 
 def failure(code, what):
-    """A :class:`SwapError` of errno ``code`` for ``what`` ("cannot open F"), said as every
-    swap error says it: ``what: <strerror> (errno ENAME)``."""
+    """A :class:`SwapError` of errno ``code``: ``what: <strerror> (errno ENAME)``."""
     return SwapError(code, f"{what}: {os.strerror(code)} (errno {errno.errorcode.get(code, code)})")
 
 
@@ -57,20 +49,17 @@ class AlignedBuffer:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         return self.bytes[offset:offset + nbytes].view(dtype).reshape(shape)
 
-    def memory(self, offset, nbytes):
-        """A writable memoryview of ``nbytes`` at ``offset``, for ``preadv``/``pwritev``."""
+    def memory(self, offset, nbytes):     # for preadv/pwritev
         return memoryview(self.bytes.numpy())[offset:offset + nbytes]
 
 
 class BufferPool:
-    """A fixed number of :class:`AlignedBuffer`. ``take()`` never waits: every path that
-    takes a buffer gives it back (in ``finally``), so an empty pool is a bug, reported as
-    one rather than a hang."""
+    """``count`` :class:`AlignedBuffer` s. ``take()`` never waits: every path gives back
+    what it takes (in ``finally``), so an empty pool is a bug, said as one."""
 
     def __init__(self, count, nbytes, pin):
         self.buffers = [AlignedBuffer(nbytes, pin) for _ in range(count)]
-        self._free = list(self.buffers)
-        self._lock = threading.Lock()
+        self._free, self._lock = list(self.buffers), threading.Lock()
 
     def take(self):
         with self._lock:
@@ -91,10 +80,8 @@ class BufferPool:
 
 
 class CheckedFile:
-    """One open file of the state: :meth:`move` transfers exactly the bytes asked, at
-    block-aligned offsets, or raises :class:`SwapError`. ``O_DIRECT`` where ``direct``; a
-    file system that refuses it (at ``fcntl`` or at the first transfer) gets plain I/O on
-    this file instead."""
+    """One open file of the state; ``O_DIRECT`` where ``direct`` and the file system takes it
+    (at ``fcntl`` and at the first transfer), else plain I/O on this file."""
 
     def __init__(self, fd, name, direct):
         self.fd, self.name = fd, name
@@ -110,9 +97,8 @@ class CheckedFile:
             raise failure(e.errno, f"cannot reserve {nbytes} bytes for {self.name}") from e
 
     def move(self, memory, offset, write):
-        """Write ``memory`` at ``offset``, or read into all of it; returns when it finished."""
-        done, total = 0, len(memory)
-        verb = "write" if write else "read"
+        """Write all of ``memory`` at ``offset``, or read all of it; returns when it finished."""
+        done, total, verb = 0, len(memory), "write" if write else "read"
         while done < total:
             try:
                 moved = (os.pwritev if write else os.preadv)(self.fd, [memory[done:]],
@@ -137,8 +123,8 @@ class CheckedFile:
         return time.perf_counter()
 
     def check_whole(self, nbytes):
-        """Raise :class:`SwapError` (EIO) where the file's first ``nbytes``, all written, have a
-        hole or end early: it was cut behind the job's back, and would read back as zeros."""
+        """Raise :class:`SwapError` where the first ``nbytes``, all written, now have a hole or
+        end: the file was cut behind the job's back (a hole would read back as zeros)."""
         try:
             hole = os.lseek(self.fd, 0, os.SEEK_HOLE)
         except OSError as e:
@@ -152,8 +138,7 @@ class CheckedFile:
 
 
 class Transfer:
-    """The requests that move ``runs`` (``[(file offset, buffer offset, bytes)]``) between
-    ``file`` and ``buffer`` on the executor ``io``, at most IO_BYTES each."""
+    """Requests of at most IO_BYTES moving ``runs`` ``[(file offset, buffer offset, n)]``."""
 
     def __init__(self, io, file, buffer, runs, write):
         self.submitted = time.perf_counter()
@@ -162,51 +147,34 @@ class Transfer:
                         for where, at, n in runs for start in range(0, n, IO_BYTES)]
 
     def wait(self):
-        """Seconds from submission to the last byte; raises the first request's error after
-        every request has finished."""
+        """Seconds from submission to the last byte (the first error, once all finished)."""
         concurrent.futures.wait(self.futures)
-        for future in self.futures:
-            future.result()
-        return max((f.result() for f in self.futures), default=self.submitted) - self.submitted
+        return max([f.result() for f in self.futures], default=self.submitted) - self.submitted
 
-    def done(self):
-        """Whether every request has finished (never waits)."""
-        return all(future.done() for future in self.futures)
-
-    def settle(self):
-        """Wait for every request, ignoring errors (a failed step's cleanup)."""
+    def settle(self):     # wait for every request, ignoring errors (a failed step's cleanup)
         concurrent.futures.wait(self.futures)
 
 
-def stream(io, pool, count, file, tasks):
-    """Write a whole file: ``tasks`` (``[(file offset, bytes, fill)]``, each at most a
-    request) go to ``file`` through ``count`` of ``pool``'s buffers cut into request-sized
-    slots. A slot is given its next request as soon as its own completes (not when a whole
-    buffer's do), so the I/O threads always have requests queued, as raw I/O at the same
-    concurrency has; ``fill(target)`` puts a request's bytes in its slot first. Every
-    buffer goes back to the pool after every request that uses it has finished."""
-    buffers, busy = [], {}
+def windows(io, pool, file, nbytes, write, fill=None):
+    """Move ``nbytes`` of ``file`` a buffer-sized window at a time, every buffer in flight;
+    ``fill(buffer, offset, size)`` puts a window's bytes in before it is written. Every
+    buffer goes back to the pool after every request using it finished."""
+    buffers, flight = [], []
     try:
-        for _ in range(count):
+        for _ in range(len(pool.buffers)):
             buffers.append(pool.take())
-        slot = min(IO_BYTES, buffers[0].nbytes)
-        idle = [(buffer, start) for buffer in buffers
-                for start in range(0, buffer.nbytes - slot + 1, slot)]
-        for offset, nbytes, fill in tasks:
-            if not idle:
-                done, _ = concurrent.futures.wait(busy,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done:
-                    future.result()
-                    idle.append(busy.pop(future))
-            buffer, start = idle.pop()
-            fill(buffer.bytes[start:start + nbytes])
-            busy[io.submit(file.move, buffer.memory(start, aligned(nbytes)), offset, True)] = \
-                (buffer, start)
-        for future in concurrent.futures.as_completed(list(busy)):
-            future.result()
+        for i, offset in enumerate(range(0, nbytes, buffers[0].nbytes)):
+            if len(flight) == len(buffers):
+                flight.pop(0).wait()
+            buffer, size = buffers[i % len(buffers)], min(buffers[0].nbytes, nbytes - offset)
+            if fill is not None:
+                fill(buffer, offset, size)
+            flight.append(Transfer(io, file, buffer, [(offset, 0, size)], write))
+        while flight:
+            flight.pop(0).wait()
     finally:
-        concurrent.futures.wait(busy)
+        for transfer in flight:
+            transfer.settle()
         for buffer in buffers:
             pool.give_back(buffer)
 

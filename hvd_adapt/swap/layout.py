@@ -1,14 +1,7 @@
 """Where the optimizer state on disk lies: what an optimizer keeps per parameter (learned by
-stepping a small probe, not assumed), a state file's layout, and the pieces and chunks a
-step walks.
-
-Each state tensor of each parameter is one block-aligned region of a file. A parameter
-whose state is larger than a buffer is stepped in pieces: element ranges starting at
-multiples of 4096 elements (block-aligned for any dtype, and aligned as fused kernels
-vectorise). That is exact only where the optimizer's update is elementwise, which the
-probe checks by stepping a tensor whole and in two halves and comparing the bits; an
-optimizer that fails the check keeps each parameter whole.
-"""
+a probe), a file's layout (a block-aligned region per state tensor), and the pieces (ranges
+from multiples of 4096 elements, where the probe steps the optimizer elementwise: whole
+and as two halves, bitwise alike) and chunks a step walks."""
 import math
 from typing import NamedTuple, Optional
 
@@ -20,46 +13,130 @@ PIECE_ELEMENTS = 4096       # piece boundaries: multiples of this many elements
 
 
 class StateTensor(NamedTuple):
-    """One tensor an optimizer keeps for a parameter: ``shape`` None where it is shaped like
-    the parameter (elementwise); ``on_device`` where it lives on a GPU parameter's device."""
+    """A tensor an optimizer keeps for a parameter (``shape`` None: the parameter's; elementwise)
+    on a GPU parameter's device or not; in a :class:`Layout`, its file ``offset`` and ``numel``."""
     key: str
     dtype: torch.dtype
     shape: Optional[tuple]
     on_device: bool
+    offset: int = 0
+    numel: int = 0
 
-    def nbytes(self, numel):
-        """Its bytes for a piece of ``numel`` elements (all of it where not elementwise)."""
+    elementwise = property(lambda self: self.shape is None)
+    element_size = property(lambda self: _size(self.dtype))
+    nbytes = property(lambda self: self.numel * _size(self.dtype))
+
+    def bytes_for(self, numel):
+        """Its bytes for a piece of ``numel`` elements."""
         return (numel if self.shape is None else math.prod(self.shape)) * _size(self.dtype)
 
 
 class Makeup(NamedTuple):
-    """What an optimizer keeps for one kind of parameter (:class:`StateTensor` s), and
-    whether stepping element ranges apart is bitwise the same as stepping the whole."""
+    """A parameter's :class:`StateTensor` s, and whether its pieces step as it does whole."""
     tensors: tuple
     splittable: bool
 
 
-class Makeups:
-    """The :class:`Makeup` of ``optimizer``'s parameters, probed once per group, dtype,
-    device, number of dimensions and set of features that are on (:func:`features`): a
-    learning rate a schedule moves probes nothing; ``amsgrad`` turned on probes again."""
+class Params:
+    """``optimizer``'s parameters (:meth:`all`: as ``add_param_group`` left them) and their
+    :class:`Makeup`, probed once per group, dtype, device, dimensions and :func:`features`
+    on: a schedule's learning rate probes nothing, ``amsgrad`` turned on probes again."""
 
     def __init__(self, optimizer):
-        self.optimizer, self._known = optimizer, {}
+        self.optimizer, self._known, self.group_of = optimizer, {}, {}
 
-    def of(self, param, group):
-        hyper = self.optimizer.param_groups[group]
-        key = (group, param.dtype, str(param.device), param.dim(), features(hyper))
+    def all(self):
+        self.group_of = {p: g for g, group in enumerate(self.optimizer.param_groups)
+                         for p in group["params"]}
+        return list(self.group_of)
+
+    def makeup(self, param):
+        hyper = self.optimizer.param_groups[self.group_of[param]]
+        key = (self.group_of[param], param.dtype, str(param.device), param.dim(), features(hyper))
         if key not in self._known:
             self._known[key] = probe(self.optimizer, hyper, param)
-        if self._known[key].splittable or all(t.shape is None for t in self._known[key].tensors):
-            return self._known[key]
-        # State shaped by the parameter's shape, not its elements (Adafactor's row and
-        # column factors): its sizes come from a probe of that shape.
-        key += (tuple(param.shape),)
-        if key not in self._known:
-            self._known[key] = probe(self.optimizer, hyper, param, exact=True)
+        if not self._known[key].splittable and any(t.shape for t in self._known[key].tensors):
+            # State shaped by the parameter's shape, not its elements (Adafactor's row and
+            # column factors): its sizes come from a probe of that shape.
+            key += (tuple(param.shape),)
+            if key not in self._known:
+                self._known[key] = probe(self.optimizer, hyper, param, exact=True)
         return self._known[key]
+
+    def splittable(self, param):
+        # A sparse gradient (Embedding(sparse=True)) cannot be sliced into pieces.
+        sparse = param.grad is not None and param.grad.is_sparse
+        return param.is_contiguous() and not sparse and self.makeup(param).splittable
+
+    def describe(self, param):
+        # By identity: list.index compares tensors with ==, elementwise, and raises.
+        index = next(i for i, p in enumerate(self.group_of) if p is param)
+        return f"parameter {index} (shape {tuple(param.shape)}, group {self.group_of[param]})"
+
+    def step_layout(self, old):
+        """A step's layout: ``old``, parameters with a gradient and no state yet, and state a
+        hyper-parameter turned on since adds (what torch refuses, a probe raises first)."""
+        specs, probed = [], set()
+        for p in self.all():
+            kept = old.get(p) if old is not None else None
+            if kept is None:
+                if p.grad is not None:
+                    specs.append((p, self.makeup(p).tensors, {}))
+                continue
+            for e in [e for e in kept.entries if e.elementwise and e.numel != p.numel()]:
+                # Model surgery (p.data = a larger tensor): its state would be read from
+                # the regions of others. In memory the optimizer fails too, on the shapes.
+                raise ValueError(
+                    f"hvd_adapt swap: {self.describe(p)} has {p.numel()} elements, its "
+                    f"optimizer state {e.key!r} {e.numel}: nothing was stepped; load a state "
+                    "dict that matches (load_state_dict) first")
+            added = [t for t in self.makeup(p).tensors
+                     if t.key not in {e.key for e in kept.entries}]
+            group = self.group_of[p]
+            if added and (kept.entries or kept.plain) and (group, p.dim()) not in probed:
+                probed.add((group, p.dim()))
+                check_added(self.optimizer, self.optimizer.param_groups[group], p, kept)
+            specs.append((p, kept.entries + added, kept.plain))
+        return Layout(specs)
+
+    def layout_of(self, states):
+        """The :class:`Layout` of ``states`` (``{param: {key: value}}``), a tensor in its
+        parameter's dtype as torch's ``load_state_dict`` casts (all but the step)."""
+        specs = []
+        for p in [p for p in self.all() if p in states]:
+            on_device = {t.key: t.on_device for t in self.makeup(p).tensors}
+            tensors = []
+            for key, value in [(k, v) for k, v in states[p].items() if torch.is_tensor(v)]:
+                elementwise = tuple(value.shape) == tuple(p.shape)
+                dtype = p.dtype if key != "step" and p.is_floating_point() else value.dtype
+                tensors.append(StateTensor(
+                    key, dtype, None if elementwise else tuple(value.shape),
+                    on_device.get(key, elementwise and p.device.type != "cpu")))
+            specs.append((p, tensors, {k: v for k, v in states[p].items()
+                                       if not torch.is_tensor(v)}))
+        return Layout(specs)
+
+    def chunks(self, layout, buffer_bytes):
+        """Chunks of pieces covering ``layout``, each within ``buffer_bytes``;
+        ``ValueError`` where a parameter fits none, whole or in pieces."""
+        chunks, current, used = [], [], 0
+        for param, entries, _ in layout.params:
+            for i, (start, stop) in enumerate(_ranges(param, entries, self.splittable(param),
+                                                      buffer_bytes, self.describe)):
+                piece = Piece(param, self.group_of[param], start, stop, i == 0)
+                numel = param.numel() if stop is None else stop - start
+                if current and used + piece_bytes(entries, numel) > buffer_bytes:
+                    chunks.append(current)
+                    current, used = [], 0
+                for e in entries:
+                    piece.slots.append(
+                        Slot(e, used, e.offset, e.nbytes, e.shape) if not e.elementwise
+                        else Slot(e, used, e.offset + start * e.element_size,
+                                  numel * e.element_size,
+                                  tuple(param.shape) if stop is None else (numel,)))
+                    used += aligned(piece.slots[-1].nbytes)
+                current.append(piece)
+        return chunks + ([current] if current else [])
 
 
 def features(group):
@@ -82,10 +159,9 @@ def _probe_shape(param):
 
 
 def probe(optimizer, group, param, exact=False):
-    """The :class:`Makeup` learned by stepping a probe shaped like ``param`` (its dtype,
-    device and number of dimensions; its own shape where ``exact``) twice with
-    ``optimizer``'s class and ``group``'s hyper-parameters, whole and as two halves.
-    Raises ``ValueError`` naming the optimizer where it cannot be probed."""
+    """The :class:`Makeup` learned by stepping a probe like ``param`` (dtype, device and
+    dimensions; its shape where ``exact``) twice with ``optimizer``'s class and ``group``'s
+    hyper-parameters, whole and as two halves; ``ValueError`` where it cannot be."""
     shape = tuple(param.shape) if exact else _probe_shape(param)
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(shape, generator=generator).to(param.dtype)
@@ -103,8 +179,7 @@ def probe(optimizer, group, param, exact=False):
             f"swap_dir: cannot step a probe with {type(optimizer).__name__} to learn what state "
             f"it keeps ({type(e).__name__}: {e}); keep this optimizer's state in memory (no "
             "swap_dir)") from e
-    tensors = []
-    splittable = torch.equal(torch.cat(halves), whole.reshape(-1))
+    tensors, splittable = [], torch.equal(torch.cat(halves), whole.reshape(-1))
     for key, value in whole_opt.state[whole].items():
         parts = [halves_opt.state[h].get(key) for h in halves]
         if not torch.is_tensor(value):
@@ -120,10 +195,8 @@ def probe(optimizer, group, param, exact=False):
 
 
 def check_added(optimizer, group, param, kept):
-    """Raise, before anything moves, what ``optimizer`` raises stepping a probe whose state
-    holds only ``kept``'s (a :class:`ParamLayout`): a hyper-parameter turned on since adds a
-    state tensor torch may refuse (Adam's ``amsgrad``: ``KeyError``). Factored state: not
-    probed."""
+    """Raise what ``optimizer`` raises stepping a probe whose state is ``kept``'s (a
+    :class:`ParamLayout`) only: new state torch may refuse (Adam's ``amsgrad``: KeyError)."""
     if any(entry.shape not in (None, ()) for entry in kept.entries):
         return
     shape = _probe_shape(param)
@@ -137,42 +210,24 @@ def check_added(optimizer, group, param, kept):
 
 
 def _like(optimizer, group, params):
-    hyper = {key: value for key, value in group.items() if key != "params"}
+    hyper = dict({key: value for key, value in group.items() if key != "params"}, params=params)
     try:
-        return type(optimizer)([dict(hyper, params=params)])
+        return type(optimizer)([hyper])
     except TypeError:
         # A constructor with required arguments: give them the optimizer's defaults.
-        return type(optimizer)([dict(hyper, params=params)], **optimizer.defaults)
+        return type(optimizer)([hyper], **optimizer.defaults)
 
 
-class Entry(NamedTuple):
-    """One state tensor of one parameter in a state file, at a block-aligned ``offset``."""
-    key: str
-    dtype: torch.dtype
-    shape: Optional[tuple]
-    on_device: bool
-    offset: int
-    numel: int
-
-    elementwise = property(lambda self: self.shape is None)
-    element_size = property(lambda self: _size(self.dtype))
-    nbytes = property(lambda self: self.numel * _size(self.dtype))
-
-    def spec(self):
-        return StateTensor(self.key, self.dtype, self.shape, self.on_device)
-
-
-class ParamLayout:
-    """One parameter's state in a file: its tensors' :class:`Entry` s and plain values."""
-
-    def __init__(self, param, entries, plain):
-        self.param, self.entries, self.plain = param, entries, dict(plain)
+class ParamLayout(NamedTuple):
+    """One parameter's state in a file: its :class:`StateTensor` s and plain values."""
+    param: torch.Tensor
+    entries: list
+    plain: dict
 
 
 class Layout:
-    """A state file's layout, from ``specs`` (``[(param, [StateTensor], plain values)]``):
-    which parameters have state, where each tensor lies, and the file's size. It travels
-    with its file: a commit, restore, checkpoint or sync reads a file as it was written."""
+    """A file's layout, from ``specs`` (``[(param, [StateTensor], plain values)]``): where
+    each tensor lies, the size. It travels with its file, read as it was written."""
 
     def __init__(self, specs):
         self.params, self.by_param, offset = [], {}, 0
@@ -181,9 +236,9 @@ class Layout:
             for t in tensors:
                 shape = None if t.shape is None else tuple(t.shape)
                 numel = param.numel() if shape is None else math.prod(shape)
-                entries.append(Entry(t.key, t.dtype, shape, t.on_device, offset, numel))
+                entries.append(StateTensor(t.key, t.dtype, shape, t.on_device, offset, numel))
                 offset += aligned(entries[-1].nbytes)
-            self.params.append(ParamLayout(param, entries, plain))
+            self.params.append(ParamLayout(param, entries, dict(plain)))
             self.by_param[param] = self.params[-1]
         self.nbytes = offset
 
@@ -211,26 +266,9 @@ class Layout:
         return values
 
 
-def layout_of(states, params, makeup):
-    """The :class:`Layout` of ``states`` (``{param: {key: tensor or value}}``, a state dict's)
-    for those of ``params`` in it, ``makeup(param)`` their :class:`Makeup`. A state tensor
-    takes its parameter's dtype, as torch's ``load_state_dict`` casts it (all but the step)."""
-    specs = []
-    for p in [p for p in params if p in states]:
-        on_device = {t.key: t.on_device for t in makeup(p).tensors}
-        tensors = []
-        for key, value in [(k, v) for k, v in states[p].items() if torch.is_tensor(v)]:
-            elementwise = tuple(value.shape) == tuple(p.shape)
-            dtype = p.dtype if key != "step" and p.is_floating_point() else value.dtype
-            tensors.append(StateTensor(key, dtype, None if elementwise else tuple(value.shape),
-                                       on_device.get(key, elementwise and p.device.type != "cpu")))
-        specs.append((p, tensors, {k: v for k, v in states[p].items() if not torch.is_tensor(v)}))
-    return Layout(specs)
-
-
 class Slot(NamedTuple):
-    """One state tensor of one piece: where it lies in the chunk's buffer and in the file."""
-    entry: Entry
+    """One state tensor of one piece, in the chunk's buffer and in the file."""
+    entry: StateTensor
     buffer_offset: int
     file_offset: int
     nbytes: int
@@ -238,19 +276,14 @@ class Slot(NamedTuple):
 
 
 class Piece:
-    """A parameter (``stop`` None: whole, stepped as itself) or an element range of it
-    (stepped as a flat view) in a chunk, with its state's :class:`Slot` s. ``first``: the
-    piece that writes the parameter's non-elementwise tensors (a step count), which every
-    piece keeps a copy of."""
+    """A parameter (``stop`` None) or an element range of it, stepped as a flat view, with
+    its :class:`Slot` s; ``first``: the piece that writes the non-elementwise state."""
 
     def __init__(self, param, group, start, stop, first):
         self.param, self.group, self.start, self.stop, self.first = \
             param, group, start, stop, first
         self.slots, self.tensor = [], None     # tensor: what the optimizer steps, in a step
-
-    @property
-    def whole(self):
-        return self.stop is None
+        self.whole = stop is None
 
     def label(self):
         where = "" if self.whole else f" elements [{self.start}, {self.stop})"
@@ -259,77 +292,41 @@ class Piece:
 
 def piece_bytes(tensors, numel):
     """Buffer bytes of a piece of ``numel`` elements with state ``tensors``."""
-    return sum(aligned(t.nbytes(numel)) for t in tensors)
-
-
-def plan_chunks(layout, group_of, splittable, buffer_bytes, describe):
-    """Chunks of pieces covering every parameter of ``layout``, each chunk's state within
-    ``buffer_bytes``. ``group_of[param]`` is its group index; ``splittable(param)`` whether
-    it may be stepped in pieces. Raises ``ValueError`` where a parameter fits no buffer."""
-    chunks, current, used = [], [], 0
-    for param_layout in layout.params:
-        param = param_layout.param
-        tensors = [entry.spec() for entry in param_layout.entries]
-        for i, (start, stop) in enumerate(_ranges(param, tensors, splittable(param),
-                                                  buffer_bytes, describe)):
-            piece = Piece(param, group_of[param], start, stop, i == 0)
-            numel = param.numel() if stop is None else stop - start
-            if current and used + piece_bytes(tensors, numel) > buffer_bytes:
-                chunks.append(current)
-                current, used = [], 0
-            for e in param_layout.entries:
-                if e.elementwise:
-                    shape = tuple(param.shape) if stop is None else (numel,)
-                    slot = Slot(e, used, e.offset + start * e.element_size,
-                                numel * e.element_size, shape)
-                else:
-                    slot = Slot(e, used, e.offset, e.nbytes, e.shape)
-                piece.slots.append(slot)
-                used += aligned(slot.nbytes)
-            current.append(piece)
-    return chunks + ([current] if current else [])
+    return sum(aligned(t.bytes_for(numel)) for t in tensors)
 
 
 def _ranges(param, tensors, splittable, buffer_bytes, describe):
-    """``[(start, stop)]`` element ranges of ``param`` whose state fits a buffer:
-    ``[(0, None)]`` where all of it does."""
+    """``[(start, stop)]`` ranges of ``param`` whose state fits a buffer (None: all)."""
     whole, per = piece_bytes(tensors, param.numel()), 0
     if whole <= buffer_bytes:
         return [(0, None)]
     if splittable:
         # No padding: PIECE_ELEMENTS elements of any dtype are a whole number of blocks.
         room = buffer_bytes - piece_bytes([t for t in tensors if t.shape is not None], 0)
-        per_element = sum(t.nbytes(1) for t in tensors if t.shape is None)
+        per_element = sum(t.bytes_for(1) for t in tensors if t.shape is None)
         per = max(room, 0) // max(per_element, 1) // PIECE_ELEMENTS * PIECE_ELEMENTS
-    if per == 0:
-        # The smallest buffer that takes it: whole, or its smallest piece (each tensor
-        # block-aligned: for a small parameter more than whole).
-        need = min(whole, piece_bytes(tensors, PIECE_ELEMENTS)) if splittable else whole
-        raise ValueError(
-            f"swap_dir: the optimizer state of {describe(param)} takes {_mib_up(whole)} MiB"
-            + ("" if splittable else f", and {_whole_because(param)}, so it is stepped whole")
-            + f": pass swap_buffer_mb >= {_mib_up(need)}")
-    return [(start, min(start + per, param.numel())) for start in range(0, param.numel(), per)]
+    if per:
+        return [(start, min(start + per, param.numel())) for start in range(0, param.numel(), per)]
+    # The least buffer that takes it: whole, or its least piece (each tensor block-aligned:
+    # for a small parameter more than whole); in MiB rounded up, so enough.
+    need = min(whole, piece_bytes(tensors, PIECE_ELEMENTS)) if splittable else whole
+    because = "the parameter is not contiguous in memory (channels_last, a transposed view)" \
+        if not param.is_contiguous() else "its gradient is sparse" if param.grad is not None \
+        and param.grad.is_sparse else "the optimizer does not update it elementwise (stepping " \
+        "it in pieces would change the result)"
+    raise ValueError(
+        f"swap_dir: the optimizer state of {describe(param)} takes {_mib_up(whole)} MiB"
+        + ("" if splittable else f", and {because}, so it is stepped whole")
+        + f": pass swap_buffer_mb >= {_mib_up(need)}")
 
 
 def _mib_up(nbytes):
-    """``nbytes`` in MiB, two decimals, rounded up: a size said is a size that suffices."""
     return f"{math.ceil(nbytes / 2 ** 20 * 100) / 100:.2f}"
 
 
-def _whole_because(param):
-    if not param.is_contiguous():
-        return "the parameter is not contiguous in memory (channels_last, a transposed view)"
-    if param.grad is not None and param.grad.is_sparse:
-        return "its gradient is sparse"
-    return "the optimizer does not update it elementwise (stepping it in pieces would " \
-        "change the result)"
-
-
 def segments(pieces, file_offset_of):
-    """The I/O of a chunk: ``[(file offset, buffer offset, bytes)]``, block-aligned, adjacent
-    runs merged. ``file_offset_of(piece, slot)`` is the slot's offset in the file read or
-    written, None to skip it."""
+    """A chunk's I/O, ``[(file offset, buffer offset, bytes)]``, adjacent runs merged, where
+    ``file_offset_of(piece, slot)`` is not None."""
     out = []
     for piece in pieces:
         for slot in piece.slots:

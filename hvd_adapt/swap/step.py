@@ -1,12 +1,7 @@
-"""One swapped optimizer step: the pipeline over the chunks of a plan, and the counters of
-the time and bytes steps take.
-
-While chunk i steps (its state made of views into a pool buffer), later chunks are
-read ahead and earlier ones written behind in the pool's other buffers, by a thread pool
-doing checked ``os.preadv``/``os.pwritev`` (they release the GIL), so reads and writes
-are in flight together while the optimizer computes. The state the optimizer holds after
-each chunk is checked against the plan before it is written.
-"""
+"""One swapped step, a pipeline over a plan's chunks: while one steps (its state views of a
+pool buffer), the next are read and the last written on I/O threads (``os.preadv`` and
+``os.pwritev`` release the GIL); what the optimizer holds is checked against the plan."""
+import collections
 import time
 
 import torch
@@ -17,30 +12,21 @@ from .layout import segments
 BUFFERS = 4                 # stepping, and reads ahead and writes behind in the others
 
 
-class Stats:
+class Stats(collections.Counter):
     """Seconds and bytes over swapped steps: ``read``/``write`` each chunk's I/O from its
-    submission to its last byte, ``wait`` the time the step waited for I/O (a large one:
-    the disk is the bottleneck), ``step`` the optimizer's own work, ``copy`` the state put
-    in place in the buffers, ``agree`` the agreements between ranks, ``total`` the steps."""
-
-    KEYS = ("read", "write", "wait", "step", "copy", "agree", "total")
-
-    def __init__(self):
-        for key in self.KEYS:
-            setattr(self, key, 0.0)
-        self.read_bytes = self.written_bytes = self.steps = 0
+    submission to its last byte, ``wait`` the steps' waits for I/O (large: the disk is the
+    bottleneck), ``step`` the optimizer's work, ``agree`` the ranks' agreements."""
 
     def as_dict(self):
-        return dict({f"swap_{key}_s": getattr(self, key) for key in self.KEYS},
-                    swap_read_bytes=self.read_bytes, swap_written_bytes=self.written_bytes,
-                    swap_steps=self.steps)
+        return dict({f"swap_{key}_s": float(self[key])
+                     for key in ("read", "write", "wait", "step", "agree", "total")},
+                    swap_read_bytes=self["read_bytes"], swap_written_bytes=self["written_bytes"],
+                    swap_steps=self["steps"])
 
 
 class StepRun:
-    """One step of ``optimizer`` over ``chunks`` (:func:`~hvd_adapt.swap.layout.plan_chunks`
-    of ``layout``), reading the state from ``source`` (laid out as ``old``; None: no state
-    yet) and writing it to ``out``. ``moved`` turns True as the optimizer starts its first
-    chunk: from then on parameters may have moved."""
+    """A step over ``layout``'s chunks, from ``source`` (laid out as ``old``) to ``out``;
+    ``moved`` turns True as the optimizer starts its first chunk (parameters may move)."""
 
     def __init__(self, optimizer, pool, io, stats, layout, old, source, out):
         self.optimizer, self.pool, self.io, self.stats = optimizer, pool, io, stats
@@ -49,42 +35,35 @@ class StepRun:
         self.first_state = {}       # param -> its first piece's non-elementwise state
 
     def run(self, chunks):
-        """Step every chunk. Reads run as far ahead as the pool allows: every buffer that is
-        neither stepping nor being written holds a read of a chunk to come, and a buffer
-        whose write has finished takes the next read at once. Every buffer goes back to the
-        pool on every path, after every request that uses it has finished."""
-        buffers, reading, writing = [], {}, []  # chunk index -> (buffer, transfer); [(b, t)]
+        """Step every chunk through a ring of the pool's buffers: chunk i in buffer i % 4, read
+        three chunks ahead and written one behind; every buffer goes back to the pool on
+        every path, after every request using it finished."""
+        buffers, flight = [], {}    # chunk index -> its read, then its write, under way
         try:
             for _ in range(BUFFERS):
                 buffers.append(self.pool.take())
-            idle, following = list(buffers), 0  # following: the next chunk to read
+            for j in range(min(BUFFERS - 1, len(chunks))):
+                flight[j] = Transfer(self.io, self.source, buffers[j], self._reads(chunks[j]),
+                                     False)
             for i, chunk in enumerate(chunks):
-                while following < len(chunks):
-                    # Finished writes give their buffers back first, in order, without
-                    # waiting; only the read of the chunk about to step waits for one.
-                    while writing and (writing[0][1].done() or not idle and following == i):
-                        done, transfer = writing.pop(0)
-                        self.stats.write += self._wait(transfer)
-                        idle.append(done)
-                    if not idle:
-                        break
-                    buffer = idle.pop()
-                    reading[following] = (buffer, Transfer(
-                        self.io, self.source, buffer, self._reads(chunks[following]), False))
-                    following += 1
-                buffer, transfer = reading.pop(i)
-                self.stats.read += self._wait(transfer)
-                self.stats.read_bytes += sum(n for _, _, n in self._reads(chunk))
-                self._step(chunk, buffer)
+                self.stats["read"] += self._wait(flight.pop(i))
+                self.stats["read_bytes"] += sum(n for _, _, n in self._reads(chunk))
+                self._step(chunk, buffers[i % BUFFERS])
                 runs = segments(chunk, lambda piece, slot: slot.file_offset
                                 if piece.first or slot.entry.elementwise else None)
-                self.stats.written_bytes += sum(n for _, _, n in runs)
-                writing.append((buffer, Transfer(self.io, self.out, buffer, runs, True)))
-            while writing:
-                self.stats.write += self._wait(writing.pop(0)[1])
+                self.stats["written_bytes"] += sum(n for _, _, n in runs)
+                flight[i] = Transfer(self.io, self.out, buffers[i % BUFFERS], runs, True)
+                if i:
+                    self.stats["write"] += self._wait(flight.pop(i - 1))
+                ahead = i + BUFFERS - 1     # into the buffer chunk i - 1 was in
+                if ahead < len(chunks):
+                    flight[ahead] = Transfer(self.io, self.source, buffers[ahead % BUFFERS],
+                                             self._reads(chunks[ahead]), False)
+            for i in sorted(flight):
+                self.stats["write"] += self._wait(flight.pop(i))
             self.out.check_whole(self.layout.nbytes)
         finally:
-            for _, transfer in list(reading.values()) + writing:
+            for transfer in flight.values():
                 transfer.settle()
             for buffer in buffers:
                 self.pool.give_back(buffer)
@@ -96,7 +75,7 @@ class StepRun:
         try:
             return transfer.wait()
         finally:
-            self.stats.wait += time.perf_counter() - began
+            self.stats["wait"] += time.perf_counter() - began
 
     def _reads(self, chunk):
         def where(piece, slot):
@@ -108,12 +87,11 @@ class StepRun:
         return segments(chunk, where)
 
     def _step(self, chunk, buffer):
-        """Step ``chunk``'s pieces with their state as views of ``buffer``; then put the state
-        the optimizer holds for them back into ``buffer``, checked against the layout."""
+        """Step ``chunk`` with its state as views of ``buffer``, then put the state the
+        optimizer holds back into ``buffer``, checked against the plan."""
         state, groups = self.optimizer.state, self.optimizer.param_groups
         saved = [group["params"] for group in groups]
         flat_grads = {}
-        copying = time.perf_counter()
         for piece in chunk:
             p = piece.param
             piece.tensor = p if piece.whole else p.detach().view(-1)[piece.start:piece.stop]
@@ -123,21 +101,18 @@ class StepRun:
             kept = self.old.get(p) if self.old is not None else None
             if kept is not None:
                 state[piece.tensor] = self._state_of(piece, kept, buffer)
-        self.stats.copy += time.perf_counter() - copying
         try:
             for g, group in enumerate(groups):
                 group["params"] = [piece.tensor for piece in chunk if piece.group == g]
             stepping = time.perf_counter()
             self.moved = True
             self.optimizer.step()
-            self.stats.step += time.perf_counter() - stepping
+            self.stats["step"] += time.perf_counter() - stepping
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params
             states = {id(piece): state.pop(piece.tensor, None) for piece in chunk}
-        evicting = time.perf_counter()
         self._evict(chunk, buffer, states)
-        self.stats.copy += time.perf_counter() - evicting
 
     @staticmethod
     def _state_of(piece, kept, buffer):
@@ -159,25 +134,13 @@ class StepRun:
     def _evict(self, chunk, buffer, states):
         moves, base = [], buffer.bytes.data_ptr()
         for piece in chunk:
-            values, planned = states[id(piece)], {slot.entry.key: slot for slot in piece.slots}
-            if values is None:
-                if planned:
-                    raise RuntimeError(f"hvd_adapt swap: the optimizer dropped the state of "
-                                       f"{piece.label()}")
-                continue
+            values, planned = states[id(piece)] or {}, {s.entry.key: s for s in piece.slots}
             tensors = {k: v for k, v in values.items() if torch.is_tensor(v)}
-            if set(tensors) != set(planned):
+            held = {k: (v.dtype, v.numel() * v.element_size()) for k, v in tensors.items()}
+            if held != {k: (s.entry.dtype, s.nbytes) for k, s in planned.items()}:
                 raise RuntimeError(
-                    f"hvd_adapt swap: the optimizer keeps state {sorted(tensors)} for "
-                    f"{piece.label()}, not the {sorted(planned)} its layout was planned with")
-            for key, value in tensors.items():
-                slot = planned[key]
-                if value.dtype != slot.entry.dtype or \
-                        value.numel() * slot.entry.element_size != slot.nbytes:
-                    raise RuntimeError(
-                        f"hvd_adapt swap: the optimizer's state {key!r} of {piece.label()} is "
-                        f"{value.dtype} x {value.numel()}, not the planned {slot.entry.dtype} "
-                        f"of {slot.nbytes} bytes")
+                    f"hvd_adapt swap: the optimizer keeps state {held} for {piece.label()}, "
+                    f"not the {sorted(planned)} its layout was planned with")
             self._check_pieces_agree(piece, tensors, {k: v for k, v in values.items()
                                                       if k not in tensors})
             for key, value in tensors.items():
@@ -194,14 +157,14 @@ class StepRun:
 
     def _check_pieces_agree(self, piece, tensors, plain):
         """The pieces of a parameter must leave its non-elementwise state (a step count,
-        plain values) alike: the one check that stepping it in pieces was the same as
-        stepping it whole."""
+        plain values) alike: the check that stepping it in pieces was stepping it whole."""
         elementwise = {slot.entry.key for slot in piece.slots if slot.entry.elementwise}
         small = {key: value.detach().to("cpu", copy=True) for key, value in tensors.items()
                  if key not in elementwise}
         if piece.first:
             self.first_state[piece.param] = (small, plain)
-            self.layout.get(piece.param).plain = dict(plain)
+            self.layout.get(piece.param).plain.clear()
+            self.layout.get(piece.param).plain.update(plain)
             return
         first_small, first_plain = self.first_state[piece.param]
         if plain != first_plain or any(not torch.equal(value, first_small[key])
