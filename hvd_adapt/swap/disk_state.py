@@ -24,8 +24,8 @@ from .step import BUFFERS, Stats, StepRun
 log = logging.getLogger(__name__)
 
 MIB = 2 ** 20
-DEFAULT_BUFFER_MB = 16      # a default buffer: 1/SHARE of the state (the pool of four, 1/8),
-SHARE = 32                  # 1 to 16 MiB, or larger where a parameter stepped whole needs it
+DEFAULT_BUFFER_MB = 16      # a default buffer: 1/SHARE of the state, 1 to 16 MiB (what a step
+SHARE = 64                  # holds, the pool and chunk-sized temporaries, grows with it)
 NOT_TAKEN = "the optimizer step was not taken (parameters and state unchanged)"
 BROKEN = ("a swapped optimizer step failed after parameters moved, so parameters and "
           "optimizer state no longer match: restore a commit (State.restore()) or load a "
@@ -54,7 +54,7 @@ def agreement(outcome, what):
 
 class DiskState(OptimizerState):
     """``optimizer``'s per-parameter state in files under ``directory``, stepped through four
-    buffers of ``buffer_mb`` (None: 1/32 of the state, 1 to 16 MiB, or what a parameter
+    buffers of ``buffer_mb`` (None: 1/64 of the state, 1 to 16 MiB, or what a parameter
     stepped whole needs); ``o_direct`` where the file system takes it; ``workers`` threads."""
 
     mapped = True
