@@ -1,9 +1,9 @@
 """A random-operation fuzz of the optimizer state on disk against the same operations with the
 state in memory, compared bitwise after every operation: steps, steps that fail at a random
-point (the optimizer raising after a random chunk, the live file cut under a read, the disk
-filling under a write), steps on a full disk (a small tmpfs), commits, restores, state
-dicts handed out, load_state_dict round trips, and parameters changed between backward
-and step (through torch.no_grad() and through p.data).
+point (the optimizer raising after a random chunk, the live file cut under a read, the file
+being written cut or the disk filling under its writes), steps on a full disk (a small
+tmpfs), commits, restores, state dicts handed out, load_state_dict round trips, and
+parameters changed between backward and step (through torch.no_grad() and through p.data).
 
 After a failure the swapped optimizer must either have refused the step (parameters and
 state as before, usable at once) or say it is broken on every step, state dict and commit
@@ -28,7 +28,7 @@ def _init():
     hvd_adapt.init()
 
 
-OPERATIONS = ["step"] * 4 + ["fail_optimizer", "fail_read", "fail_write", "full_disk",
+OPERATIONS = ["step"] * 4 + ["fail_optimizer", "fail_read", "cut_write", "fail_write", "full_disk",
                              "commit", "commit", "restore", "state_dict", "load",
                              "no_grad_edit", "data_edit"]
 CHUNKS = 8          # deep() at 24 KiB buffers: 8 chunks of two parameters
@@ -71,12 +71,15 @@ def fault(op, rng, folder, disk, undo):
         os.truncate(path, 0)
         undo.append(lambda: path.write_bytes(data))
 
+    def cut_written():
+        os.truncate(by_age(folder)[-1], 0)      # later writes leave a hole: zeros if not seen
+
     def fill_under_write():
-        os.truncate(by_age(folder)[-1], 0)
+        cut_written()
         undo.append(lambda filler=fill(disk): os.remove(filler))
 
     chunk = rng.randrange(CHUNKS)
-    return {chunk: {"fail_optimizer": raise_, "fail_read": cut_live,
+    return {chunk: {"fail_optimizer": raise_, "fail_read": cut_live, "cut_write": cut_written,
                     "fail_write": fill_under_write}[op]}
 
 
@@ -96,7 +99,7 @@ def run(seed, disk, full, n=60):
         ops.append(op)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed * 1000 + t))
         if op in ("step", "no_grad_edit", "data_edit", "fail_optimizer", "fail_read",
-                  "fail_write", "full_disk"):
+                  "cut_write", "fail_write", "full_disk"):
             for model, opt, _ in both:
                 opt.zero_grad()
                 model(x).pow(2).mean().backward()
@@ -108,7 +111,7 @@ def run(seed, disk, full, n=60):
             undo = []
             if op == "full_disk":
                 undo.append(lambda filler=fill(disk): os.remove(filler))
-            elif op.startswith("fail"):
+            elif op in ("fail_optimizer", "fail_read", "cut_write", "fail_write"):
                 swapped[1].optimizer.calls = 0
                 swapped[1].optimizer.after = fault(op, rng, folder, disk, undo)
             before = [p.detach().clone() for p in swapped[0].parameters()]
