@@ -156,9 +156,9 @@ def test_one_ranks_swap_folder_removed_raises_the_same_errno_on_every_rank(tmp_p
 
 
 def test_one_ranks_swap_folder_removed_fails_a_sync_on_every_rank_alike(tmp_path):
-    # A sync (an elastic reset) writes a new generation on every rank, a region broadcast
-    # at a time; its file is created with no agreement first (SwappedState.broadcast_chunks),
-    # unlike a step's. Rank 1 cannot create it (its folder removed; a full disk alike) and
+    # A sync (an elastic reset) writes a new file on every rank but the root, a region
+    # broadcast at a time; its file was once created with no agreement first, unlike a
+    # step's. Rank 1 cannot create it (its folder removed; a full disk alike) and
     # raises at once; rank 0 goes on into the broadcast of the first region and waits there
     # for a rank that left it (today it gets out only if rank 1 exits: "Horovod has been shut
     # down"). Both must fail the sync alike (as a step) and meet in the next collective;
