@@ -13,7 +13,9 @@ from .._runtime import collective
 
 
 class OptimizerState:
-    """The interface; :class:`MemoryState` is the reference implementation."""
+    """The interface: :class:`MemoryState` (the reference) and
+    :class:`hvd_adapt.swap.DiskState` implement it (the swap package, a layer below, by its
+    methods: it imports nothing of optim)."""
 
     #: True where :meth:`committed` gives tensors mapped from files that stay as they are
     #: (a background checkpoint then writes them as they are read).

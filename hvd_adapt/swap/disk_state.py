@@ -15,7 +15,6 @@ import torch
 
 from .._runtime import collective, env
 from .._runtime.private_files import remove_unlocked_folders
-from ..optim.optimizer_state import OptimizerState
 from .files import PREFIX, StateFiles
 from .io import BufferPool, SwapError, aligned, windows
 from .layout import Layout, Params, piece_bytes
@@ -52,10 +51,11 @@ def agreement(outcome, what):
     return collective.allgather_object(outcome, name=f"hvd_adapt.swap.{what}")
 
 
-class DiskState(OptimizerState):
-    """``optimizer``'s per-parameter state in files under ``directory``, stepped through four
-    buffers of ``buffer_mb`` (None: 1/64 of the state, 1 to 16 MiB, or what a parameter
-    stepped whole needs); ``o_direct`` where the file system takes it; ``workers`` threads."""
+class DiskState:
+    """``optim/optimizer_state.py``'s interface (not imported: optim is the layer above) for
+    ``optimizer``'s state in files under ``directory``, stepped through four buffers of
+    ``buffer_mb`` (None: 1/64 of the state, 1 to 16 MiB, or what a parameter stepped whole
+    needs); ``o_direct`` where the file system takes it; ``workers`` I/O threads."""
 
     mapped = True
 
