@@ -1,14 +1,14 @@
 """Optimizer state on disk (``swap_dir``) against raw disk I/O and against the state in
 memory, in one invocation.
 
-- **disk**: the swapper's writes and reads of a ``--state-gb`` state, as it moves a
-  whole generation (``move_bytes``: its one pipeline, the pool's buffers cut into
-  request-sized slots in flight on its I/O threads, checked transfers; a write
-  reserves a new file with ``posix_fallocate``), against raw
-  ``pwrite``/``pread`` at the **same concurrency and request size** (``--workers``
-  threads, 8 MiB requests): both read the swapper's live generation file, both
-  write a fresh file reserved the same way. ``O_DIRECT`` on both sides (no page
-  cache), interleaved, ``--rounds`` rounds; medians and ranges.
+- **disk**: the swapper's writes and reads of a ``--state-gb`` state through its own I/O
+  (``hvd_adapt/swap/io.py``'s ``windows``: the file a buffer at a time, every buffer of
+  the pool in flight, its requests on the I/O threads, as a step moves its chunks; a
+  write into a file reserved with ``posix_fallocate``), against raw ``pwrite``/``pread``
+  at the **same concurrency and request size** (``--workers`` threads, 8 MiB requests):
+  both read the swapper's live file, both write a file reserved the same way.
+  ``O_DIRECT`` on both sides (no page cache), interleaved, ``--rounds`` rounds; medians
+  and ranges.
 - **memory and step time**: an AdamW job whose largest parameter is an embedding
   (>= 25% of the parameters), its state ``--jobs-gb`` GB each, swapped against in
   memory, each in a process of its own, ``--job-rounds`` rounds of the two in
@@ -17,9 +17,12 @@ memory, in one invocation.
   max(in-memory step, state / raw read + state / raw write), a ratio per round
   (median and range), beside this design's floor (the in-memory micro-steps, then the
   state's I/O or the in-memory optimizer step, whichever is longer) over the same
-  bound, with where each job's step goes (micro-steps and
-  optimizer; for the swapped one its reads and writes, waits, compute, copies
-  and agreements, and the bytes it wrote and found written ahead, per step).
+  bound, and the swapped step over that floor, with where each job's step goes
+  (micro-steps and optimizer; for the swapped one its reads and writes, waits,
+  compute, copies and agreements, and the bytes it moved, per step).
+- **memory at default settings**: where users start, an AdamW state of about 200 MB
+  (24 x Linear(1024, 1024)) swapped with no ``swap_buffer_mb``: peak RSS saved over
+  the state's bytes (goal >= 0.7), against the same job in memory.
 
     python benchmarks/optimizer_swap.py --swap-dir /path/on/a/local/disk [--state-gb 2]
                                         [--jobs-gb 0.5,2] [--rounds 6] [--job-rounds 3]
@@ -29,6 +32,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,21 +47,31 @@ SIDE = 4096                 # the disk test's parameters: SIDE x SIDE fp32
 
 def disk(folder, state_gb, rounds, workers):
     """Rounds of swapper and raw writes and reads of the same bytes, interleaved."""
-    import torch
-    from hvd_adapt.optim.swap import IO_BYTES, SwappedState
-    from hvd_adapt.optim.swap_io import AlignedBuffer
-    count = max(1, round(state_gb * 1e9 / (2 * 4 * SIDE * SIDE)))
-    params = [torch.nn.Parameter(torch.empty(SIDE, SIDE)) for _ in range(count)]
-    swapped = SwappedState(torch.optim.AdamW(params), folder, workers=workers, o_direct=True)
-    value = torch.randn(SIDE, SIDE)     # every entry's bytes: the state costs no memory
-    states = {p: {"step": torch.tensor(1.0), "exp_avg": value, "exp_avg_sq": value}
-              for p in params}
+    import types
+    from hvd_adapt.swap.files import StateFiles
+    from hvd_adapt.swap.io import IO_BYTES, AlignedBuffer, BufferPool, windows
+    from hvd_adapt.swap.step import BUFFERS
+    buffer_bytes = 16 << 20         # the pool's buffers at their default's largest
+    nbytes = max(1, round(state_gb * 1e9 / buffer_bytes)) * buffer_bytes
+    files, layout = StateFiles(folder), types.SimpleNamespace(nbytes=nbytes)
+    pool = BufferPool(BUFFERS, buffer_bytes, pin=False)
+    io = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
     buffers = [AlignedBuffer(IO_BYTES, pin=False) for _ in range(workers)]
     for buffer in buffers:
         buffer.bytes.random_(0, 255)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
-    def raw(path, nbytes, write):
+    def swap_write():
+        with files.new(layout) as (_, writer):
+            windows(io, pool, writer, nbytes, True)
+
+    def swap_read():
+        reader = files.open(files.live)
+        try:
+            windows(io, pool, reader, nbytes, False)
+        finally:
+            reader.close()
+
+    def raw(path, write):
         """``workers`` threads moving 8 MiB requests, each its own buffer, O_DIRECT; a short
         transfer is an error (the swapper checks every one too)."""
         flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
@@ -76,12 +90,11 @@ def disk(folder, state_gb, rounds, workers):
                 raise OSError(f"short raw transfer at {offset}")
 
         lanes = iter(range(workers))
-        list(pool.map(request, range(0, nbytes, IO_BYTES)))
+        list(io.map(request, range(0, nbytes, IO_BYTES)))
         os.close(fd)
 
-    swapped.load(states)
-    nbytes = swapped.layout().nbytes
-    live = os.path.join(swapped.root, f"gen{swapped.live}.bin")
+    swap_write()        # the live file both sides read
+    live = os.path.join(files.root, files.live.name)
     results = {key: [] for key in ("swap_write", "raw_write", "swap_read", "raw_read")}
     for r in range(rounds):
         # The two sides back to back in each direction, the first alternating: a read that
@@ -91,17 +104,19 @@ def disk(folder, state_gb, rounds, workers):
             for kind in ("swap", "raw") if r % 2 == 0 else ("raw", "swap"):
                 started = time.perf_counter()
                 if kind == "swap":
-                    swapped.move_bytes(write=direction == "write")
+                    (swap_write if direction == "write" else swap_read)()
                 elif direction == "write":
-                    # Removed inside the timing, as the swapper removes its scratch file.
+                    # Removed inside the timing, as the swapper's file it replaces goes.
                     path = os.path.join(folder, f"raw{r}.bin")
-                    raw(path, nbytes, True)
+                    raw(path, True)
                     os.remove(path)
                 else:
-                    raw(live, nbytes, False)
+                    raw(live, False)
                 results[f"{kind}_{direction}"].append(time.perf_counter() - started)
-    swapped.close()
-    pool.shutdown()
+    io.shutdown()
+    pool.release()
+    shutil.rmtree(files.root, ignore_errors=True)
+    os.close(files.fd)
     gbps = {key: [nbytes / 1e9 / s for s in values] for key, values in results.items()}
     return nbytes, gbps
 
@@ -116,28 +131,39 @@ def model_for(state_gb):
 
 
 def worker(args):
-    """One job: ``--mode memory|swap``, ``--micro`` micro-steps per optimizer step."""
+    """One job: ``--mode memory|swap``, ``--micro`` micro-steps per optimizer step; the model
+    ``--gb`` (an embedding and layers, see :func:`model_for`) or, with ``--gb 0``,
+    ``--default-layers`` x Linear(1024, 1024)."""
     import torch
     import hvd_adapt
     hvd_adapt.init()
     torch.manual_seed(0)
-    vocab, layers = model_for(args.gb)
-    model = torch.nn.Sequential(
-        torch.nn.EmbeddingBag(vocab, WIDTH),
-        *[m for _ in range(layers) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
+    tokens = torch.Generator().manual_seed(1)
+    if args.gb:
+        vocab, layers = model_for(args.gb)
+        model = torch.nn.Sequential(
+            torch.nn.EmbeddingBag(vocab, WIDTH),
+            *[m for _ in range(layers) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
+
+        def batch():
+            return torch.randint(vocab, (args.batch, 16), generator=tokens)
+    else:
+        vocab, model = 0, torch.nn.Sequential(*[torch.nn.Linear(1024, 1024)
+                                                for _ in range(args.default_layers)])
+
+        def batch():
+            return torch.randn(args.batch, 1024, generator=tokens)
     opt = hvd_adapt.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01),
         swap_dir=args.swap_dir if args.mode == "swap" else None, measure_noise=False,
         swap_buffer_mb=args.buffer_mb)
     state_bytes = sum(2 * p.numel() * p.element_size() for p in model.parameters())
-    tokens = torch.Generator().manual_seed(1)
     times, micro, stepping = [], [], []
     for step in range(args.steps + 1):
         started = time.perf_counter()
         opt.zero_grad()
         for _ in range(args.micro):
-            x = torch.randint(vocab, (args.batch, 16), generator=tokens)
-            model(x).pow(2).mean().backward()
+            model(batch()).pow(2).mean().backward()
         stepped = time.perf_counter()
         opt.step()
         if step:                        # the first step creates the state
@@ -161,16 +187,40 @@ def worker(args):
                    "swap": opt.swap_metrics()}, f)
 
 
-def launch(mode, gb, args):
+def launch(mode, gb, args, micro=None):
     out = tempfile.mktemp(suffix=".json")
     command = [sys.executable, HERE, "--worker", "--mode", mode, "--gb", str(gb), "--out", out,
-               "--micro", str(args.micro), "--steps", str(args.steps), "--batch",
-               str(args.batch), "--swap-dir", args.swap_dir, "--buffer-mb", str(args.buffer_mb)]
+               "--micro", str(micro or args.micro), "--steps", str(args.steps), "--batch",
+               str(args.batch), "--swap-dir", args.swap_dir,
+               "--default-layers", str(args.default_layers)] + (
+        ["--buffer-mb", str(args.buffer_mb)] if args.buffer_mb else [])
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         result = json.load(f)
     os.remove(out)
     return result
+
+
+def default_memory(args):
+    """Peak RSS of ``--default-layers`` x Linear(1024, 1024) with AdamW, in memory and
+    swapped with the library's default buffers, ``--job-rounds`` rounds alternating: saved
+    over the state."""
+    if args.buffer_mb:
+        return None         # only where users start: no swap_buffer_mb
+    rounds = []
+    for r in range(args.job_rounds):
+        order = ("memory", "swap") if r % 2 == 0 else ("swap", "memory")
+        rounds.append({mode: launch(mode, 0, args, micro=1) for mode in order})
+    state = rounds[0]["swap"]["state_bytes"]
+    saved = [(r["memory"]["peak_bytes"] - r["swap"]["peak_bytes"]) / state for r in rounds]
+    print(f"memory at default settings: {args.default_layers} x Linear(1024, 1024), AdamW state "
+          f"{state / 1e6:.0f} MB: peak RSS in memory "
+          f"{statistics.median(r['memory']['peak_bytes'] for r in rounds) / 1e6:.0f} MB, "
+          f"swapped {statistics.median(r['swap']['peak_bytes'] for r in rounds) / 1e6:.0f} MB, "
+          f"saved/state {spread(saved)} (goal >= 0.7)", flush=True)
+    return {"layers": args.default_layers, "state_bytes": state, "saved_over_state_rounds": saved,
+            "memory_peak_bytes": [r["memory"]["peak_bytes"] for r in rounds],
+            "swap_peak_bytes": [r["swap"]["peak_bytes"] for r in rounds]}
 
 
 def spread(values):
@@ -190,7 +240,10 @@ def main(argv=None):
                         help="rounds of the in-memory and swapped jobs, alternating")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-step")
-    parser.add_argument("--buffer-mb", type=float, default=16, help="each swap buffer")
+    parser.add_argument("--buffer-mb", type=float, default=None,
+                        help="each swap buffer (default: the library's, as users start)")
+    parser.add_argument("--default-layers", type=int, default=24,
+                        help="Linear(1024, 1024) layers of the job at default settings")
     parser.add_argument("--json", default=None,
                         help="also write the results here (relative: under benchmarks/results/)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -216,7 +269,7 @@ def main(argv=None):
     raw_write = statistics.median(gbps["raw_write"])
     runs = []
     print(f"{'state GB':>8} {'emb':>5} {'memory s':>9} {'swap s':>7} {'bound s':>8} "
-          f"{'swap/bound':>10} {'floor/bound':>11} {'hidden':>7} {'memory GB':>10} "
+          f"{'swap/bound':>10} {'floor/bound':>11} {'swap/floor':>10} {'memory GB':>10} "
           f"{'swap GB':>8} {'saved/state':>11}")
     for gb in [float(g) for g in args.jobs_gb.split(",") if g]:
         rounds = []
@@ -228,21 +281,21 @@ def main(argv=None):
         bounds = [max(r["memory"]["step_s"], io_bound) for r in rounds]
         ratios = [r["swap"]["step_s"] / bound for r, bound in zip(rounds, bounds)]
         # The least this design can take: the micro-steps as in memory, then a step that
-        # moves the state in and out once (its compute overlapping that I/O). Only the undo
-        # copies go to disk during the micro-steps; hiding state I/O there would take
-        # buffers as large as the I/O hidden (docs/optimizer-state-on-disk.md, "The floor").
-        floors = [(r["memory"]["micro_s"] + max(r["memory"]["optimizer_s"], io_bound)) / bound
-                  for r, bound in zip(rounds, bounds)]
+        # moves the state in and out once (its compute overlapping that I/O). Nothing goes
+        # to disk during the micro-steps; hiding state I/O there would take buffers as large
+        # as the I/O hidden (docs/optimizer-state-on-disk.md, "The floor").
+        floor_s = [r["memory"]["micro_s"] + max(r["memory"]["optimizer_s"], io_bound)
+                   for r in rounds]
+        floors = [floor / bound for floor, bound in zip(floor_s, bounds)]
+        over_floor = [r["swap"]["step_s"] / floor for r, floor in zip(rounds, floor_s)]
 
         def median(mode, key):
             return statistics.median(r[mode][key] for r in rounds)
-        stats = [r["swap"]["swap"] for r in rounds]
         row = {"state_gb": state / 1e9, "embedding_share": rounds[0]["swap"]["embedding_share"],
                "memory_step_s": median("memory", "step_s"), "swap_step_s": median("swap", "step_s"),
                "bound_s": statistics.median(bounds), "swap_over_bound": statistics.median(ratios),
                "swap_over_bound_rounds": ratios, "floor_over_bound_rounds": floors,
-               "hidden": statistics.median(s["swap_hidden_s"] / s["swap_io_s"] if s["swap_io_s"]
-                                           else 0 for s in stats),
+               "swap_over_floor_rounds": over_floor,
                "memory_peak_bytes": median("memory", "peak_bytes"),
                "swap_peak_bytes": median("swap", "peak_bytes")}
         row["saved_over_state"] = (row["memory_peak_bytes"] - row["swap_peak_bytes"]) / state
@@ -255,7 +308,7 @@ def main(argv=None):
         runs.append(row)
         print(f"{row['state_gb']:>8.2f} {row['embedding_share']:>5.2f} "
               f"{row['memory_step_s']:>9.2f} {row['swap_step_s']:>7.2f} {row['bound_s']:>8.2f} "
-              f"{spread(ratios):>10} {spread(floors):>11} {row['hidden']:>7.2f} "
+              f"{spread(ratios):>10} {spread(floors):>11} {spread(over_floor):>10} "
               f"{row['memory_peak_bytes'] / 1e9:>10.2f} {row['swap_peak_bytes'] / 1e9:>8.2f} "
               f"{row['saved_over_state']:>11.2f}", flush=True)
         phases = row["phases"]
@@ -263,8 +316,8 @@ def main(argv=None):
             f"{key} {value:.3f}" for key, value in phases.items() if key.endswith("_s")),
             flush=True)
         print(f"    per step, MB: read {phases['swap_read_bytes'] / 1e6:.0f}, written "
-              f"{phases['swap_written_bytes'] / 1e6:.0f}, undo copies found written ahead "
-              f"{phases['swap_undo_ahead_used_bytes'] / 1e6:.0f}", flush=True)
+              f"{phases['swap_written_bytes'] / 1e6:.0f}", flush=True)
+    results["default_memory"] = default_memory(args)
     results["runs"] = runs
     if args.json:
         import record

@@ -1,7 +1,7 @@
-"""The descriptors the swapped state holds open (hvd_adapt/optim/swap.py: _hold,
-_open, _map through /proc/self/fd): none leaks over an elastic-style loop, and where the
-process runs out of descriptors (ulimit -n) a step or a state dict either works or fails
-clearly, naming the file it could not open, with the parameters unchanged."""
+"""The descriptors the state on disk opens (hvd_adapt/swap/files.py: each use of a file opens
+it by name): none leaks over an elastic-style loop, and where the process runs out of
+descriptors (ulimit -n) a step or a state dict either works or fails clearly, naming the
+file it could not open, with the parameters unchanged."""
 import gc
 import os
 import resource
@@ -25,11 +25,11 @@ def open_descriptors():
 
 
 def test_no_descriptor_leaks_over_commits_restores_state_dicts_and_loads(tmp_path):
-    # Holds today: kept as a guard of the held descriptors' lifetimes.
+    # Holds today: kept as a guard of the descriptors' lifetimes.
     swap_dir = str(tmp_path / "swap")
     gc.collect()
     start = open_descriptors()
-    pairs = pair(deep, swap_dir, buffer_mb=36 / 1024)
+    pairs = pair(deep, swap_dir, buffer_mb=24 / 1024)
     (model, opt), (reference, ref_opt) = pairs
     state, ref_state = State(model=model, optimizer=opt), State(model=reference, optimizer=ref_opt)
     for seed in range(120):
@@ -44,7 +44,7 @@ def test_no_descriptor_leaks_over_commits_restores_state_dicts_and_loads(tmp_pat
             state.restore()
             ref_state.restore()
     assert_same(pairs)
-    # The folder's descriptor, the live generation's and the last commit's at most.
+    # The folder's descriptor (and the I/O threads' nothing).
     assert open_descriptors() - start <= 3
     del pairs, model, opt, state, reference, ref_opt, ref_state
     gc.collect()
@@ -92,13 +92,12 @@ def test_out_of_descriptors_a_step_or_state_dict_fails_naming_the_file(tmp_path)
     assert not problems, "; ".join(problems)
 
 
-def test_the_folder_removed_during_a_step_leaves_the_live_state_readable(tmp_path):
-    # "A removed folder fails the next step with ENOENT naming it; state_dict() still reads
-    # the live state": that holds where the folder goes between steps. A cleaner runs at any
-    # time, and with the state on disk most of the time is the step: removed while a step
-    # runs, the step completes (its new file is open) and becomes live, but it is held open
-    # by name after its file is gone: today the warning "cannot hold ... open", and then
-    # state_dict() (the checkpoint the error message asks for) fails with ENOENT.
+def test_the_folder_removed_during_a_step_fails_loudly_and_moves_nothing_more(tmp_path):
+    # A cleaner runs at any time, and with the state on disk most of the time is the step.
+    # The folder is the job's own: removed behind its back while a step runs, the step
+    # completes (its new file is open) and goes live; from then on every use of the state
+    # fails loudly, naming the folder (issue 43: no longer worked around), and a step that
+    # fails so moves nothing. Never a state read from elsewhere.
     import shutil
     swap_dir = tmp_path / "swap"
     pairs = started(swap_dir)
@@ -109,8 +108,12 @@ def test_the_folder_removed_during_a_step_leaves_the_live_state_readable(tmp_pat
         step(model, opt, 3)
         step(reference, ref_opt, 3)
     except OSError:
-        pass        # refused (parameters unchanged) would do too; the state must be readable
+        pass        # refused (parameters unchanged) would do too
     finally:
         opt.optimizer.after = {}
-    saved = opt.state_dict()
-    assert saved["state"], "the live state is readable"
+    with pytest.raises(OSError, match=rf"{swap_dir}.*the folder was removed behind this job's"):
+        opt.state_dict()
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(OSError, match="the folder was removed behind this job's back"):
+        step(model, opt, 4)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))

@@ -27,7 +27,7 @@ def used(point):
 
 def test_forked_dataloader_workers_do_not_keep_removed_generations_on_disk(mount):
     point = str(mount("tmpfs", "64m"))
-    (model, opt), _ = pair(deep, point, buffer_mb=36 / 1024)
+    (model, opt), _ = pair(deep, point, buffer_mb=24 / 1024)
     state = State(model=model, optimizer=opt)
     for seed in range(3):
         step(model, opt, seed)

@@ -4,15 +4,16 @@ swapped run deviates, the same loop under DistributedOptimizer without swap_dir 
 so a failure says whether the swap or the wrapper deviates.
 
 Each loop is also made to fail one step part-way (the inner optimizer raises after some
-chunks moved): the parameters must come back exactly as they were just before that step,
-and stepping again must give the reference's training."""
+chunks moved): every later step must refuse until a restore, which must bring the
+parameters back exactly as they were at the commit just before that step, and stepping
+again must give the reference's training."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import hvd_adapt
-from hvd_adapt import DistributedOptimizer
+from hvd_adapt import DistributedOptimizer, State
 from hooked_optimizer import HookedAdamW
 
 STEPS = 6
@@ -167,6 +168,7 @@ def run(kind, loop, variant, swap_dir, schedule=None, scaler=False, fail_at=None
                                    swap_buffer_mb=(0.05 if kind.startswith("tied") else BUFFER_MB)
                                    if variant == "swap" else None)
     sched = schedule(opt) if schedule is not None else None
+    state = State(model=model, optimizer=opt) if variant == "swap" else None
     problems = []
     for i in range(steps):
         if grad_scaler is None:
@@ -179,6 +181,7 @@ def run(kind, loop, variant, swap_dir, schedule=None, scaler=False, fail_at=None
             grad_scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if variant == "swap" and fail_at == i:
+            state.commit()
             before = [p.detach().clone() for p in model.parameters()]
             inner.calls = 0
             inner.after = {3: _raise}
@@ -189,10 +192,17 @@ def run(kind, loop, variant, swap_dir, schedule=None, scaler=False, fail_at=None
                 if "injected" not in str(e):
                     problems.append(f"step {i}: unexpected error {e!r}")
             inner.after = {}
+            try:
+                opt.step()
+                problems.append(f"step {i}: a step after the failed one was taken")
+            except OSError as e:
+                if "restore a commit" not in str(e):
+                    problems.append(f"step {i}: unexpected error {e!r}")
+            state.restore()
             moved = [n for (n, p), q in zip(model.named_parameters(), before)
                      if not torch.equal(p, q)]
             if moved:
-                problems.append(f"step {i}: a failed step left {moved} changed")
+                problems.append(f"step {i}: a restore left {moved} changed")
         if grad_scaler is None:
             opt.step()
         else:
@@ -244,7 +254,8 @@ def check(tmp_path, kind, loop, **options):
     ("two-heads", loop_hand_lr),
 ], ids=["pcgrad-retain-graph", "model-zero-grad", "unused-branch", "no-gradient-warmup",
         "tied-checkpoint", "tied-checkpoint-reentrant", "lr-and-decay-set-by-hand"])
-def test_everyday_loop_is_bitwise_plain_adamw_and_a_failed_step_is_undone(kind, loop, tmp_path):
+def test_everyday_loop_is_bitwise_plain_adamw_and_a_failed_step_is_restored(kind, loop,
+                                                                            tmp_path):
     check(tmp_path, kind, loop, fail_at=FAIL_AT)
 
 
@@ -305,3 +316,73 @@ def test_step_with_a_closure_is_refused_before_anything_counts(tmp_path):
     # with a controller it is counted only after a step that returned.
     assert opt.gns.progress == progress + 1, \
         f"one step taken, progress {progress} -> {opt.gns.progress}"
+
+
+class _Halve(torch.nn.Module):
+    def forward(self, x):
+        return x * 0.5
+
+    def right_inverse(self, x):
+        return x * 2
+
+
+def between(event, pairs, states, folder):
+    """Something an everyday loop does between the first backward and step(), done to both
+    the swapped model and the in-memory reference."""
+    import os
+    for (model, opt), state in zip(pairs, states):
+        if event == "state_dict":
+            opt.state_dict()
+        elif event == "load_state_dict":
+            opt.load_state_dict(opt.state_dict())
+        elif event == "commit":
+            state.commit()
+        elif event == "restore":
+            state.restore()
+        elif event == "checkpoint":
+            path = os.path.join(folder, f"checkpoint-{id(opt)}.pt")
+            state.save_checkpoint(path, background=True)
+            state.wait_for_checkpoint()
+        elif event == "load_checkpoint":
+            path = os.path.join(folder, f"loaded-{id(opt)}.pt")
+            state.save_checkpoint(path)
+            state.load_checkpoint(path)
+        elif event == "model_load_state_dict":
+            model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        elif event == "parametrize":
+            torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Halve())
+        elif event == "skipped_step_and_more_backwards":
+            # GradScaler found an inf: no step; the next micro-steps' backwards.
+            opt.zero_grad(set_to_none=False)
+            model(torch.randn(8, 32, generator=torch.Generator().manual_seed(3))).sum().backward()
+        elif event == "sync_from_root":
+            opt.sync_from_root()
+        elif event == "add_param_group":
+            extra = torch.nn.Parameter(torch.ones(4))
+            model.register_parameter("extra", extra)
+            opt.add_param_group({"params": [extra]})
+            extra.grad = torch.full_like(extra, 0.5)
+
+
+@pytest.mark.parametrize("event", ["state_dict", "load_state_dict", "commit", "restore",
+                                   "checkpoint", "load_checkpoint", "model_load_state_dict",
+                                   "parametrize",
+                                   "skipped_step_and_more_backwards", "sync_from_root",
+                                   "add_param_group"])
+def test_what_a_loop_does_between_backward_and_step_keeps_training_bitwise(event, tmp_path):
+    from test_optim_swap import assert_same, deep, pair, step_both
+    pairs = pair(deep, str(tmp_path / "swap"), buffer_mb=24 / 1024)
+    (tmp_path / "checkpoints").mkdir()
+    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    step_both(pairs, 2)
+    for state in states:
+        state.commit()
+    step_both(pairs, 2)         # a spare again after the commit
+    for m, o in pairs:
+        o.zero_grad()
+        m(torch.randn(8, 32, generator=torch.Generator().manual_seed(5))).pow(2).mean().backward()
+    between(event, pairs, states, str(tmp_path / "checkpoints"))
+    for m, o in pairs:
+        o.step()
+    step_both(pairs, 2)
+    assert_same(pairs)

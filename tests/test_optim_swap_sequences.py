@@ -1,39 +1,44 @@
-"""Random sequences of what loops do with the optimizer state on disk
-(steps, steps failed part-way and retried, commits, restores, state dicts handed out,
-load_state_dict round trips, parameters changed between backward and step through
-torch.no_grad() and through p.data), with waits that let the undo copies be written ahead
-or not, each against the same sequence with the state in memory, compared after every
-operation. 150 seeds held at the time of writing; the test runs a few."""
+"""A random-operation fuzz of the optimizer state on disk against the same operations with the
+state in memory, compared bitwise after every operation: steps, steps that fail at a random
+point (the optimizer raising after a random chunk, the live file cut under a read, the file
+being written cut or the disk filling under its writes), steps on a full disk (a small
+tmpfs), commits, restores, state dicts handed out, load_state_dict round trips, and
+parameters changed between backward and step (through torch.no_grad() and through p.data).
+
+After a failure the swapped optimizer must either have refused the step (parameters and
+state as before, usable at once) or say it is broken on every step, state dict and commit
+until a restore, which brings both runs back to their last commit. Fixed seeds; each
+sequence a few seconds."""
+import os
+import pathlib
 import random
-import tempfile
-import time
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 import hvd_adapt
 from hvd_adapt import DistributedOptimizer, State
-from test_optim_swap import deep
+from test_optim_swap import by_age, deep, fill, swap_folders
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _init():
     hvd_adapt.init()
 
-OPERATIONS = ["step", "step", "step", "fail", "commit", "restore", "state_dict", "load",
-              "no_grad_edit", "data_edit"]
 
-
-def raiser():
-    raise RuntimeError("injected")
+OPERATIONS = ["step"] * 4 + ["fail_optimizer", "fail_read", "cut_write", "fail_write", "full_disk",
+                             "commit", "commit", "restore", "state_dict", "load",
+                             "no_grad_edit", "data_edit"]
+CHUNKS = 8          # deep() at 24 KiB buffers: 8 chunks of two parameters
 
 
 def build(where):
     torch.manual_seed(0)
     model, inner = deep()
     inner.after = {}
-    opt = DistributedOptimizer(inner, swap_dir=where,
-                               swap_buffer_mb=36 / 1024 if where else None)
+    opt = DistributedOptimizer(inner, swap_dir=where, swap_buffer_mb=24 / 1024 if where else None)
     return model, opt, State(model=model, optimizer=opt)
 
 
@@ -51,44 +56,79 @@ def difference(a, b):
     return None
 
 
-def run(seed, swap_root, n=40):
-    """None, or (seed, the operations so far, what differs)."""
+def fault(op, rng, folder, disk, undo):
+    """The hook that makes a swapped step fail (``{chunk: action}``), and what it does to
+    the disk: ``undo`` collects what gives the disk back after the step."""
+    def raise_():
+        raise RuntimeError("injected")
+
+    def cut_live():
+        files = by_age(folder)      # the newest is being written, the live one before
+        if len(files) < 2:
+            return                  # no state yet
+        path = files[-2]
+        data = path.read_bytes()
+        os.truncate(path, 0)
+        undo.append(lambda: path.write_bytes(data))
+
+    def cut_written():
+        os.truncate(by_age(folder)[-1], 0)      # later writes leave a hole: zeros if not seen
+
+    def fill_under_write():
+        cut_written()
+        undo.append(lambda filler=fill(disk): os.remove(filler))
+
+    chunk = rng.randrange(CHUNKS)
+    return {chunk: {"fail_optimizer": raise_, "fail_read": cut_live, "cut_write": cut_written,
+                    "fail_write": fill_under_write}[op]}
+
+
+def run(seed, disk, full, n=60):
+    """None, or (seed, the operations so far, what went wrong). ``full``: whether ``disk``
+    may be filled (a file system of its own)."""
     rng = random.Random(seed)
-    swapped, memory = build(tempfile.mkdtemp(dir=swap_root)), build(None)
+    where = os.path.join(disk, f"seed{seed}")
+    os.makedirs(where)
+    swapped, memory = build(where), build(None)
     both = (swapped, memory)
+    folder = pathlib.Path(where) / swap_folders(where)[0]
+    operations = [op for op in OPERATIONS if full or op not in ("fail_write", "full_disk")]
     ops = []
     for t in range(n):
-        op = rng.choice(OPERATIONS)
+        op = rng.choice(operations)
         ops.append(op)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed * 1000 + t))
-        if op in ("step", "fail", "no_grad_edit", "data_edit"):
+        if op in ("step", "no_grad_edit", "data_edit", "fail_optimizer", "fail_read",
+                  "cut_write", "fail_write", "full_disk"):
             for model, opt, _ in both:
                 opt.zero_grad()
                 model(x).pow(2).mean().backward()
-            if rng.random() < 0.5:
-                time.sleep(0.02)        # the undo copies written ahead, or some of them
-            for model, _, _ in both:
                 if op == "no_grad_edit":
                     with torch.no_grad():
                         next(model.parameters()).mul_(0.5)
                 elif op == "data_edit":
                     list(model.parameters())[3].data.add_(0.25)
-            if op == "fail":
-                before = [p.detach().clone() for p in swapped[0].parameters()]
+            undo = []
+            if op == "full_disk":
+                undo.append(lambda filler=fill(disk): os.remove(filler))
+            elif op in ("fail_optimizer", "fail_read", "cut_write", "fail_write"):
                 swapped[1].optimizer.calls = 0
-                swapped[1].optimizer.after = {rng.randrange(4): raiser}
-                with pytest.raises(RuntimeError, match="injected"):
-                    swapped[1].step()
-                swapped[1].optimizer.after = {}
-                if not all(torch.equal(p, q) for p, q in zip(swapped[0].parameters(), before)):
-                    return seed, ops, "a failed step was not undone"
-                if rng.random() < 0.5:
-                    ops.append("retry")
-                    for _, opt, _ in both:
-                        opt.step()
+                swapped[1].optimizer.after = fault(op, rng, folder, disk, undo)
+            before = [p.detach().clone() for p in swapped[0].parameters()]
+            try:
+                swapped[1].step()
+                failed = None
+            except (OSError, RuntimeError) as e:
+                failed = e
+            swapped[1].optimizer.after = {}
+            for action in undo:
+                action()
+            if failed is None:
+                memory[1].step()
             else:
-                for _, opt, _ in both:
-                    opt.step()
+                found = judge_failure(swapped, memory, before)
+                if found:
+                    return seed, ops, f"{found} ({failed})"
         elif op == "commit":
             for _, _, state in both:
                 state.commit()
@@ -106,6 +146,45 @@ def run(seed, swap_root, n=40):
     return None
 
 
+def judge_failure(swapped, memory, before):
+    """After a failed swapped step: refused (as before, usable), or broken everywhere until a
+    restore, which brings both runs back to their commit. What went wrong, or None."""
+    model, opt, state = swapped
+    try:
+        opt.state_dict()
+    except OSError as e:
+        if "restore a commit" not in str(e):
+            return f"state_dict after a failed step: {e}"
+        for action in (opt.step, state.commit):
+            try:
+                action()
+                return f"{action.__name__} went through with a broken state"
+            except OSError as refused:
+                if "restore a commit" not in str(refused):
+                    return f"{action.__name__} with a broken state: {refused}"
+        for _, _, each in (swapped, memory):
+            each.restore()
+        return None
+    if not all(torch.equal(p, q) for p, q in zip(model.parameters(), before)):
+        return "a step that was refused moved parameters"
+    return None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs (the state's files fill a fourth of it), or tmp_path where this user may
+    not mount one (then the full-disk operations only find a disk that is not full)."""
+    point = tmp_path / "disk"
+    point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(point)],
+                             capture_output=True).returncode == 0
+    yield str(point), mounted
+    if mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+    else:
+        shutil.rmtree(point, ignore_errors=True)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_random_sequences_stay_as_in_memory(seed, tmp_path):
-    assert run(seed, str(tmp_path)) is None
+def test_random_operations_stay_as_in_memory(seed, small_disk):
+    assert run(seed, *small_disk) is None

@@ -5,20 +5,54 @@ backward is expected to produce their gradients (reverse registration order
 until an order was observed), up to ``cap_bytes`` each, one dtype and device
 per bucket. Everything that decides a collective's shape is fixed here, when
 the layout is built, and the same on every rank: the buckets, their names,
-and the ``extra`` slot the last bucket carries: the per-group squared norms
-of a measured cycle (zeros otherwise), three flags (this rank completed its
-cycle; this rank abandoned a backward in it; this rank refuses the cycle,
-see ``exchange.py``), one used-flag per parameter
-(DDP's globally-unused map), and one slot per parameter for rank 0's
-observed gradient order. A layout is rebuilt only where every rank rebuilds
-it alike: when the set of trainable parameters changes, or in the order rank
-0 observed.
+and the extra slot the last bucket carries, where each rank's :class:`Control`
+rides: the per-group squared norms of a measured cycle (zeros otherwise),
+five flags (this rank completed its cycle; it abandoned a backward in it; it
+refuses the cycle; this pass is a later one of a finished cycle; it is not:
+see ``exchange.py``), one used-flag per parameter (DDP's globally-unused
+map), and one slot per parameter for rank 0's observed gradient order. The
+allreduce sums the slot and scales it as it scales the gradients: what comes
+back is read as :class:`Agreed`. A layout is rebuilt only where every rank
+rebuilds it alike: when the set of trainable parameters changes, or in the
+order rank 0 observed.
 """
+from typing import NamedTuple, Optional
+
 import torch
 
 # Default bucket caps when bucket_cap_mb is None (see exchange.py's docstring).
 GPU_BUCKET_MB = 25
 CPU_BUCKET_MB = 4
+
+
+class Control(NamedTuple):
+    """What one rank says about the accumulation cycle that ends: ``norms`` (a float64 tensor
+    per group on the gradients' device, or None), whether it ``completed`` the cycle,
+    ``abandoned`` a backward of it or ``refused`` it, whether this pass is a ``later`` one
+    of a cycle already averaged (``Cycle.extra``), ``used`` (a bytearray: per position,
+    whether it got a gradient) and ``order`` (rank 0's observed gradient order, or None)."""
+    norms: Optional[torch.Tensor]
+    completed: bool
+    abandoned: bool
+    refused: bool
+    later: bool
+    used: bytearray
+    order: Optional[list]
+
+
+class Agreed(NamedTuple):
+    """Every rank's :class:`Control` summed: ``norms`` (float64, as the gradients are
+    scaled), whether any rank completed, abandoned or refused the cycle, whether the
+    ranks' passes differ (a later pass of one met a first pass of another: they ran
+    different numbers of backward passes), per position whether any rank used it, and the
+    order rank 0 proposed (None: none)."""
+    norms: torch.Tensor
+    anyone_completed: bool
+    anyone_abandoned: bool
+    anyone_refused: bool
+    passes_differ: bool
+    used: list
+    order: Optional[list]
 
 
 class Layout:
@@ -53,60 +87,54 @@ class Layout:
             and last.dtype in (torch.float64, torch.complex128) else torch.float32
         self.extra_device = last.device if last is not None else torch.device("cpu")
 
-    # The extra slot:
-    # [norms per group | completed | abandoned | refused | later pass | first pass |
-    #  used per param | order]. Later and first pass both set: ranks ran different
-    # numbers of backward passes before step(), and each pass's allreduce met another
-    # step's pass of another rank.
+    # The extra slot: [norms per group | completed | abandoned | refused | later pass |
+    # first pass | used per param | order].
     FLAGS = 5
 
     @property
     def extra_length(self):
         return self.num_groups + self.FLAGS + 2 * len(self.params)
 
-    def extra(self, norms, completed, abandoned, used, proposed_order, refused=False,
-              later=False):
-        """The extra slot's tensor, on the gradients' device: ``norms`` a float64 tensor per
-        group (on that device) or None, ``used`` a bytearray per position,
-        ``proposed_order`` positions in observed order or None. Built without waiting for
-        the device: scalars are filled in, host lists copied asynchronously."""
+    def encode(self, control):
+        """The extra slot's tensor of a :class:`Control`, on the gradients' device, built
+        without waiting for the device: scalars are filled in, host lists copied
+        asynchronously."""
         g, count = self.num_groups, len(self.params)
         out = torch.zeros(self.extra_length, dtype=self.extra_dtype, device=self.extra_device)
-        out[g].fill_(float(completed))
-        out[g + 1].fill_(float(abandoned))
-        out[g + 2].fill_(float(refused))
-        out[g + 3].fill_(float(later))
-        out[g + 4].fill_(float(not later))
+        flags = (control.completed, control.abandoned, control.refused, control.later,
+                 not control.later)
+        for i, flag in enumerate(flags):
+            out[g + i].fill_(float(flag))
         f = g + self.FLAGS
         if count:
-            out[f:f + count].copy_(self._to_device(list(used)), non_blocking=True)
-        if proposed_order is not None:
+            out[f:f + count].copy_(self._to_device(list(control.used)), non_blocking=True)
+        if control.order is not None:
             # 1-based, so that 0 says "no proposal".
-            out[f + count:].copy_(self._to_device([pos + 1 for pos in proposed_order]),
+            out[f + count:].copy_(self._to_device([pos + 1 for pos in control.order]),
                                   non_blocking=True)
-        if norms is not None:
-            out[:g].copy_(norms)
+        if control.norms is not None:
+            out[:g].copy_(control.norms)
         return out
 
     def _to_device(self, values):
         host = torch.tensor(values, dtype=self.extra_dtype)
         return host.pin_memory() if self.extra_device.type == "cuda" else host
 
-    def read_extra(self, reduced, scale):
-        """``(norms, completed, abandoned, refused, passes_differ, used, order)`` of an
-        allreduced extra slot; ``scale`` undoes what the allreduce multiplied it by
-        (averaging over micro-steps and, for ``hvd.Average``, replicas) for the proposed
-        order, rank 0's alone."""
+    def agreed(self, reduced, scale):
+        """The :class:`Agreed` of an allreduced extra slot. Flags are read as "any rank
+        set it" (> 0), whatever the allreduce's scaling; ``scale`` undoes that scaling
+        (averaging over micro-steps and, for ``hvd.Average``, replicas) for the order
+        proposed, rank 0's alone, whose positions are rounded back to integers."""
         g, count = self.num_groups, len(self.params)
         values = reduced.double()
-        norms = values[:g]
         f = g + self.FLAGS
-        flags = values[g:f].tolist()
-        used = (values[f:f + count] > 0).tolist()
+        flags = [flag > 0 for flag in values[g:f].tolist()]
         proposal = (values[f + count:] * scale).round().long().tolist()
-        order = [position - 1 for position in proposal] if count and proposal[0] > 0 else None
-        passes_differ = flags[3] > 0 and flags[4] > 0
-        return norms, flags[0] > 0, flags[1] > 0, flags[2] > 0, passes_differ, used, order
+        return Agreed(norms=values[:g], anyone_completed=flags[0], anyone_abandoned=flags[1],
+                      anyone_refused=flags[2], passes_differ=flags[3] and flags[4],
+                      used=(values[f:f + count] > 0).tolist(),
+                      order=[position - 1 for position in proposal]
+                      if count and proposal[0] > 0 else None)
 
 
 def signature(groups):

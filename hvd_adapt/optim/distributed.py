@@ -3,9 +3,11 @@ before averaging, and the learning rate scaled for the batch size in use.
 
 Which batches end an accumulation cycle, and which batch sizes the learning
 rate is scaled between, it asks the controller of the loader it trains on;
-the averaging itself happens in ``exchange.py``'s hooks. (Just over 300
-lines: the class speaks both torch's Optimizer protocol and Horovod's
-optimizer API, and splitting one class would scatter its step.)
+the averaging itself happens in ``exchange.py``'s hooks, and the wrapped
+optimizer's per-parameter state is kept by an ``optimizer_state.py``
+implementation (in memory, or on disk with ``swap_dir``), which this class
+never tells apart. (The class speaks both torch's Optimizer protocol and
+Horovod's optimizer API, and splitting one class would scatter its step.)
 """
 import contextlib
 import gc
@@ -21,12 +23,13 @@ from .._runtime import collective, env
 from .._runtime.context import CONTEXT
 from ..autoscale.controller import MEASURE_EVERY, Controller
 from ..elastic.participant import Participant
+from ..swap import DiskState
 from .backward_pass import current_task
 from .exchange import Cycle, GradientExchange
 from .matching import Matching, check_unique
 from .noise import GradientNoiseScale, adam_denominators
+from .optimizer_state import MemoryState
 from .scaling_rules import ScalingRule, default_rule
-from .swap import SwappedState
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +120,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         names = {p: name for name, p in (named_parameters or [])}
         check_unique([group["params"] for group in optimizer.param_groups], names)
         _check_not_hooked(params, names)
-        self._swap = None
-        self._committed_generation = None
-        if swap_dir is not None:
-            # Before any hook: a swap_dir or buffer size it refuses leaves nothing behind.
-            self._swap = SwappedState(optimizer, swap_dir, swap_buffer_mb)
+        # Before any hook: a swap_dir or buffer size it refuses leaves nothing behind.
+        self._state = MemoryState(optimizer) if swap_dir is None \
+            else DiskState(optimizer, swap_dir, swap_buffer_mb)
         self.optimizer = optimizer
         self._names = names
         self._matching = Matching()
@@ -160,12 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             sparse_as_dense=sparse_as_dense, names=names)
         for p in params:
             CONTEXT.hooked_params[p] = weakref.ref(self)
-        if self._swap is not None:
-            if optimizer.state:
-                # State it had already (a loaded checkpoint) goes to disk too.
-                self._swap.load(dict(optimizer.state))
-                optimizer.state.clear()
-            weakref.finalize(self, self._swap.close)
+        weakref.finalize(self, self._state.release)
         # Its step makes collectives: a State must carry it.
         CONTEXT.collective_objects.add(self)
 
@@ -252,8 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
 
     def on_reset(self):
         self.discard_accumulation()
-        if self._swap is not None:
-            self._swap.remove_stale()
+        self._state.on_reset()
 
     def discard_accumulation(self):
         """Forget accumulated micro-steps and measurements (after a restore)."""
@@ -269,10 +264,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return bool(self.measure_noise)
 
     def _plan_cycle(self):
-        if self._swap is not None:
-            # A backward has begun: the parameters stay as they are until step(), so the
-            # step's undo copies go to disk meanwhile.
-            self._swap.write_undo_ahead()
         controller = self._controller
         last = controller is None or controller.is_optim_step()
         replicas = env.size()
@@ -295,8 +286,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         by_group = {}
         for i, index in enumerate(group_indices):
             by_group.setdefault(index, []).append(i)
-        source = self.optimizer.state if self._swap is None \
-            else self._swap.read(params, {"exp_avg_sq", "step"})
+        source = self._state.tensors(params, {"exp_avg_sq", "step"})
         for index, members in by_group.items():
             states = [source.get(params[i], {}) for i in members]
             for i, denominator in zip(members, adam_denominators(states, groups[index])):
@@ -406,26 +396,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return result
 
     def _inner_step(self, closure):
-        if self._swap is None:
-            return self.optimizer.step(closure)
-        if closure is not None:
-            raise ValueError("step(closure) cannot be used with swap_dir: the state is stepped "
-                             "a chunk of parameters at a time, and a closure would run per chunk")
-        # A full disk on any rank is every rank's error, raised before anything is stepped;
-        # a failure part-way on any rank undoes the step on every rank.
-        self._swap.step(agree=self._swap_agreement)
-        return None
-
-    @staticmethod
-    def _swap_agreement(message, what):
-        """Collective: every rank's failure at ``what`` (None where it has none), named."""
-        return [f"rank {rank}: {m}" for rank, m in enumerate(
-            collective.allgather_object(message, name=f"hvd_adapt.swap.{what}")) if m]
+        # With the state on disk, a failure on any rank is every rank's (see swap/).
+        return self._state.step(closure)
 
     def swap_metrics(self):
         """Seconds reading, waiting for reads, writing and stepping, and bytes moved, over the
         steps taken with the state on disk (an empty dict without ``swap_dir``)."""
-        return {} if self._swap is None else self._swap.stats.as_dict()
+        return self._state.metrics()
 
     def _sync_forgotten(self):
         # Every replica takes its first step here at the same point, so this
@@ -447,18 +424,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         bucket layout; drop accumulated gradients. State on disk travels a chunk at a time.
         Parameters are matched to rank 0's by name first (see ``matching.py``)."""
         self._match_ranks(broadcast=False)
-        collective.broadcast_optimizer_state(self.optimizer)
+        self._state.sync_from_root()
         self._load_extra_state(collective.broadcast_object(self._extra_state(),
                                                            name="hvd_adapt.sync.optimizer"))
-        if self._swap is not None:
-            layout = collective.broadcast_object(self._swap.layout_dump(),
-                                                 name="hvd_adapt.sync.swap_layout")
-            root = env.rank() == 0
-            if not root:
-                self._swap.adopt_layout(layout)
-            self._swap.broadcast_chunks(
-                root, lambda data, name: collective.broadcast_bytes(data, 0, name),
-                agree=self._swap_agreement)
         self.discard_accumulation()
         self._synced = True
 
@@ -481,44 +449,40 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         state_dict hooks), plus hvd_adapt's own state (noise scale, GradScaler, bucket
         layout) under the key ``"hvd_adapt"``. State on disk comes as tensors mapped from
         its files: read as they are used, not loaded first."""
-        out = dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
-        if self._swap is not None:
-            out["state"] = self._indexed(self._swap.state_tensors())
-        return out
+        return self._state_dict(self._state.tensors())
+
+    def _state_dict(self, states, **extra):
+        return dict(torch.optim.Optimizer.state_dict(self), state=self._indexed(states),
+                    hvd_adapt=dict(self._extra_state(), **extra))
 
     def _indexed(self, states):
         # torch's state_dict numbers parameters in the order of its groups.
-        index = {id(p): i for i, p in enumerate(p for group in self.param_groups
-                                                for p in group["params"])}
+        index = {id(p): i for i, p in enumerate(self._all_params())}
         return {index[id(p)]: values for p, values in states.items()}
 
-    def _by_param(self, indexed):
-        params = [p for group in self.param_groups for p in group["params"]]
-        return {params[int(i)]: values for i, values in indexed.items()}
+    def _all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
 
     def commit_state(self):
-        """A commit's copy: with the state on disk, the generation of files it is in (a
-        commit costs no copy of it), else :meth:`state_dict`."""
-        if self._swap is None:
-            return self.state_dict()
-        generation = self._swap.commit()
-        if self._committed_generation is not None:
-            self._swap.release(self._committed_generation)
-        self._committed_generation = generation
-        out = dict(torch.optim.Optimizer.state_dict(self), hvd_adapt=self._extra_state())
-        out["hvd_adapt"]["swap_generation"] = generation
-        return out
+        """A commit's copy: the state the optimizer state gives to copy (in memory, all of it;
+        on disk, none: the commit keeps its file) and the mark it is restored by."""
+        states, mark = self._state.commit()
+        return self._state_dict(states, committed=mark)
 
     def checkpoint_state(self, committed):
-        generation = committed["hvd_adapt"].get("swap_generation")
-        if self._swap is None or generation is None:
-            return committed
-        extra = {k: v for k, v in committed["hvd_adapt"].items() if k != "swap_generation"}
-        return dict(committed, state=self._indexed(self._swap.state_tensors(generation)),
-                    hvd_adapt=extra)
+        extra = dict(committed["hvd_adapt"])
+        mark = extra.pop("committed", None)
+        params = self._all_params()
+        states = self._state.committed({params[int(i)]: values for i, values
+                                        in committed["state"].items()}, mark)
+        return dict(committed, state=self._indexed(states), hvd_adapt=extra)
+
+    def at_commit_point(self):
+        # A state on disk broken by a failed step raises here, before a commit saves anything.
+        return self._state.committable()
 
     def checkpoint_is_mapped(self):
-        return self._swap is not None
+        return self._state.mapped
 
     def load_state_dict(self, state_dict):
         """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept)."""
@@ -528,25 +492,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
             # hvd_adapt 0.2's layout, in checkpoints it wrote.
             extra = {"gns": state_dict["gns"]}
             state_dict = state_dict["optimizer"]
-        if self._swap is None:
-            self.optimizer.load_state_dict(state_dict)
-        else:
-            # The groups into the optimizer; the state onto disk, a chunk at a time
-            # (or, restoring a commit, back to the generation it kept).
-            states = state_dict.get("state", {})
-            before = self.optimizer.param_groups, self.optimizer.state
-            self.optimizer.load_state_dict(dict(state_dict, state={}))
-            generation = (extra or {}).get("swap_generation")
-            try:
-                if generation is not None:
-                    self._swap.restore(generation)
-                else:
-                    self._swap.load(self._by_param(states))
-            except BaseException:
-                # Nothing changes on a failed load (a full disk): the hyper-parameters stay
-                # those of the state still on disk.
-                self.optimizer.param_groups, self.optimizer.state = before
-                raise
+        self._state.load(state_dict, (extra or {}).get("committed"))
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()

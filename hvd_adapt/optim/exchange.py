@@ -62,6 +62,7 @@ import logging
 import time
 import weakref
 import zlib
+from typing import Any, NamedTuple
 
 import horovod.torch as hvd
 import torch
@@ -69,7 +70,7 @@ from horovod.common.exceptions import HorovodInternalError
 
 from .backward_pass import PassTracker, current_task
 from .._runtime.collective import in_place_view
-from .buckets import Layout, cap_bytes_for, signature
+from .buckets import Control, Layout, cap_bytes_for, signature
 from .ledger import Ledger
 from .noise import sqnorm, total_sqnorm
 
@@ -109,6 +110,20 @@ class Finished:
 
     def __init__(self, cycle, stats, sync_seconds, skip):
         self.cycle, self.stats, self.sync_seconds, self.skip = cycle, stats, sync_seconds, skip
+
+
+class Sent(NamedTuple):
+    """One gradient in a bucket's allreduce: its position, the ``.grad`` it averages,
+    ``target`` (what the average is written to: ``.grad``, or its real view), ``tensor``
+    (what was reduced: ``target`` itself, or a float32 copy where ``copied``) and the
+    compression's output and context."""
+    pos: int
+    grad: torch.Tensor
+    target: torch.Tensor
+    tensor: torch.Tensor
+    copied: bool
+    compressed: torch.Tensor
+    ctx: Any
 
 
 class AbandonedBackwardError(RuntimeError):
@@ -361,17 +376,17 @@ class GradientExchange:
                 seen = set(self._observed)
                 proposal = self._observed + [pos for pos in range(len(layout.params) - 1, -1, -1)
                                              if pos not in seen]
-            extra = layout.extra(norms if completed else None, completed, not completed,
-                                 self._used, proposal, refused is not None, plan.extra)
+            extra = layout.encode(Control(
+                norms=norms if completed else None, completed=completed, abandoned=not completed,
+                refused=refused is not None, later=plan.extra, used=self._used, order=proposal))
             for index in range(len(layout.buckets)):
                 if index not in self._handles:
                     self._submit(index, micro, extra if index == len(layout.buckets) - 1
                                  else None)
             carried = self._synchronize()
             scale = micro * (hvd.size() if self._op == hvd.Average else 1)
-            (reduced_norms, anyone_completed, anyone_abandoned, anyone_refused, passes_differ,
-             used, order) = layout.read_extra(carried, scale)
-            if passes_differ:
+            agreed = layout.agreed(carried, scale)
+            if agreed.passes_differ:
                 self._reset_cycle()
                 raise RuntimeError(
                     "ranks ran different numbers of backward passes before step(): this "
@@ -379,26 +394,26 @@ class GradientExchange:
                     f"cannot be averaged ({self.name}). Run the same number of backward() "
                     "calls per optimizer step on every rank (split a batch into as many "
                     "micro-batches everywhere, or skip a batch on every rank alike)")
-            if anyone_refused:
+            if agreed.anyone_refused:
                 self._reset_cycle()
                 raise RuntimeError(refused or "another rank refused this accumulation cycle "
                                    "(its error names the parameter and the cause)")
-            if anyone_abandoned and anyone_completed:
+            if agreed.anyone_abandoned and agreed.anyone_completed:
                 self._reset_cycle()
                 raise AbandonedBackwardError(
                     "a backward pass raised on some ranks (an exception inside backward, "
                     "caught) and completed on others: their gradients cannot be averaged. "
                     "Every rank must run (or skip) the same batches; with several replicas, "
                     "skip a failing batch on every rank alike")
-            skip = anyone_abandoned
-            for pos, anyone_used in enumerate(used):
+            skip = agreed.anyone_abandoned
+            for pos, anyone_used in enumerate(agreed.used):
                 if not anyone_used:
                     # No rank used it: leave it as a single process would.
                     layout.params[pos].grad = None
             if norms is not None:
-                local = reduced_norms / plan.replicas if self._op == hvd.Sum else reduced_norms
-            if order is not None:
-                self._rebuild_after(order)
+                local = agreed.norms / plan.replicas if self._op == hvd.Sum else agreed.norms
+            if agreed.order is not None:
+                self._rebuild_after(agreed.order)
             self._observed = None
         else:
             if refused is not None:
@@ -532,14 +547,14 @@ class GradientExchange:
             else:
                 tensor, copied = in_place_view(target)
             compressed, ctx = self._compression.compress(tensor)
-            sent.append((pos, grad, target, tensor, copied, compressed, ctx))
+            sent.append(Sent(pos, grad, target, tensor, copied, compressed, ctx))
         prescale = 1.0 / micro
         postscale = 1.0
         if self._op == hvd.Average:
             # As Horovod splits the average: the backend divides by size() after this.
             prescale /= self._predivide
             postscale = self._predivide
-        tensors = [entry[5] for entry in sent] + ([] if extra is None else [extra])
+        tensors = [entry.compressed for entry in sent] + ([] if extra is None else [extra])
         with self._naming_the_cause(key):
             handle = hvd.grouped_allreduce_async_(
                 tensors, name=name, op=self._op, prescale_factor=prescale,
@@ -600,12 +615,12 @@ class GradientExchange:
                 outputs = hvd.synchronize(handle)
             if carries_extra:
                 carried = outputs[-1]
-            for (pos, grad, target, tensor, copied, _, ctx), output in zip(sent, outputs):
-                if output is not tensor or ctx is not None:
-                    tensor.copy_(self._compression.decompress(output, ctx))
-                if copied:
-                    target.copy_(tensor)
-                self.ledger.record_averaged(pos, grad)
+            for entry, output in zip(sent, outputs):
+                if output is not entry.tensor or entry.ctx is not None:
+                    entry.tensor.copy_(self._compression.decompress(output, entry.ctx))
+                if entry.copied:
+                    entry.target.copy_(entry.tensor)
+                self.ledger.record_averaged(entry.pos, entry.grad)
         return carried
 
     @contextlib.contextmanager

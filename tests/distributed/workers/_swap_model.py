@@ -13,8 +13,8 @@ from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.
 
 def build(swap_dir):
     """``(model, optimizer)``, the state on disk under ``swap_dir`` or in memory (None).
-    Buffers of 36 KiB: 8 chunks of two parameters, so a fault at chunk 6 puts chunks 0-3
-    back from the undo area on disk, the later ones from the buffers."""
+    Buffers of 24 KiB: 8 chunks of two parameters, so a fault at chunk 6 comes after
+    parameters moved, with reads and writes of other chunks in flight."""
     torch.manual_seed(0)
     layers = []
     for _ in range(8):
@@ -22,5 +22,5 @@ def build(swap_dir):
     model = torch.nn.Sequential(*layers)
     inner = HookedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = hvd_adapt.DistributedOptimizer(inner, swap_dir=swap_dir,
-                                         swap_buffer_mb=36 / 1024 if swap_dir else None)
+                                         swap_buffer_mb=24 / 1024 if swap_dir else None)
     return model, opt

@@ -4,13 +4,12 @@ tests/distributed/test_swap_signals.py.
 
 Modes:
 - ``stop``: 10 steps, swapped and, on the same ranks, the same job in memory; before step 3
-  rank 0 stops rank 1 right after the backward (its undo thread writing the copies ahead)
-  and before step 6 from inside rank 0's own swapped step (after its chunk 2); a timer on
-  rank 0 continues rank 1 ``--stop-s`` later. Every step is compared with the state in
-  memory.
+  rank 0 stops rank 1 right after the backward, and before step 6 from inside rank 0's own
+  swapped step (after its chunk 2); a timer on rank 0 continues rank 1 ``--stop-s`` later.
+  Every step is compared with the state in memory.
 - ``straight``: 10 swapped steps, a checkpoint after step 4 (committed); reports digests.
-- ``kill``: as straight, but before step 7 rank 0 SIGKILLs rank 1 right after the backward
-  (its undo thread writing), then steps (the job dies).
+- ``kill``: as straight, but at step 7 rank 1 is SIGKILLed inside its swapped step (after
+  its chunk 2: reads and writes in flight), and the job dies.
 - ``resume``: loads the checkpoint and takes steps 5-10; reports digests (they must be
   straight's)."""
 import argparse
@@ -40,7 +39,7 @@ args = parser.parse_args()
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()
 STEPS = 10
-WIDTH = 768     # 6 x 768 x 768 weights: 14 MB of undo copies per rank, written ahead in 1 MiB
+WIDTH = 768     # 6 x 768 x 768 weights: 28 MB of AdamW state per rank, stepped in 1 MiB
 
 
 def build(where):
@@ -125,7 +124,6 @@ if args.mode == "stop":
     report({"steps": steps, "state_as_in_memory": all(
         torch.equal(torch.as_tensor(final[0][i][k]), torch.as_tensor(final[1][i][k]))
         for i in final[1] for k in final[1][i]),
-        "used": swapped[1].swap_metrics()["swap_undo_ahead_used_bytes"],
         "continued": len(continued)}, rank)
     sys.exit(0)
 
@@ -140,12 +138,12 @@ for i in range(first, STEPS + 1):
     model, opt = swapped
     opt.zero_grad()
     model(batch(i)).pow(2).mean().backward()
-    if args.mode == "kill" and i == 7 and rank == 0:
-        time.sleep(0.005)   # rank 1's undo thread under way
-        os.kill(pids[1], signal.SIGKILL)
+    if args.mode == "kill" and i == 7 and rank == 1:
+        opt.optimizer.calls = 0
+        opt.optimizer.after = {2: lambda: os.kill(os.getpid(), signal.SIGKILL)}
     opt.step()
     if i == 4 and args.mode != "resume":
         state.commit()
         state.save_checkpoint(args.checkpoint)
-report({"digest": digest(*swapped), "ahead": swapped[1].swap_metrics()["swap_undo_ahead_bytes"]},
+report({"digest": digest(*swapped), "read": swapped[1].swap_metrics()["swap_read_bytes"]},
        rank)
