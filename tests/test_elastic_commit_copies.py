@@ -223,6 +223,24 @@ def test_wait_for_commit_makes_a_change_by_hand_safe():
     assert_bitwise(everything(model, opt, ema), committed)
 
 
+def test_loading_the_optimizer_waits_for_the_commit_as_torch_optimizers_do():
+    """The State's load_state_dict pre-hook runs for hvd_adapt's optimizer too (it overrides
+    load_state_dict): after a load, a change by hand is safe as after wait_for_commit()."""
+    state, model, opt, ema = make_job()
+    step(model, opt, ema, 0)
+    state.commit()
+    committed = everything(model, opt, ema)
+    seen = []
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(o))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == [opt]
+    with torch.no_grad():
+        model[4].weight.mul_(0.5)
+    step(model, opt, ema, 1)
+    state.restore()
+    assert_bitwise(everything(model, opt, ema), committed)
+
+
 def test_what_did_not_change_is_not_copied_again_and_what_changed_through_data_is(monkeypatch):
     state, model, opt, ema = make_job(frozen=True)
     step(model, opt, ema, 0)

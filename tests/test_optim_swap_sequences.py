@@ -100,9 +100,13 @@ def run(seed, disk, full, n=60):
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed * 1000 + t))
         if op in ("step", "no_grad_edit", "data_edit", "fail_optimizer", "fail_read",
                   "cut_write", "fail_write", "full_disk"):
-            for model, opt, _ in both:
+            for model, opt, state in both:
                 opt.zero_grad()
                 model(x).pow(2).mean().backward()
+                if op.endswith("_edit"):
+                    # As the State's docs ask of a change by hand between a commit and the
+                    # step (without it the step raises CommitCopyError).
+                    state.wait_for_commit()
                 if op == "no_grad_edit":
                     with torch.no_grad():
                         next(model.parameters()).mul_(0.5)

@@ -485,7 +485,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         return self._state.mapped
 
     def load_state_dict(self, state_dict):
-        """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept)."""
+        """Load a :meth:`state_dict`, or a plain torch optimizer's (the noise scale is kept).
+        The hooks of ``register_load_state_dict_pre_hook``/``post_hook`` run as torch's own
+        ``load_state_dict`` runs them (a State's waits for its commit's copies there)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvd_adapt", None)
         if "optimizer" in state_dict and "state" not in state_dict:
@@ -496,6 +500,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Participant):
         if extra is not None:
             self._load_extra_state(extra)
         self.discard_accumulation()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _exchange_name(params):
