@@ -142,20 +142,39 @@ def test_the_supervisor_loads_no_training_stack():
     assert out.stdout.strip() == "[]"
 
 
+# A supervisor whose evidence waits are 1 s (DRIVER_EXIT_SECONDS), around a stand-in for
+# horovodrun: a Python script that starts worker sessions as horovodrun does.
+LOWERED = ("import sys\nfrom hvd_adapt.scheduling import job_supervisor\n"
+           "job_supervisor.DRIVER_EXIT_SECONDS = 1.0\n"
+           "sys.exit(job_supervisor.main(sys.argv[1:]))")
+
+
+def supervise_stand_in(tmp_path, stand_in, *args):
+    return subprocess.run([sys.executable, "-c", LOWERED, "--lock", str(tmp_path / "job.lock"),
+                           "--max-restarts", "0", "--", sys.executable, "-c", stand_in,
+                           *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
 def test_a_horovodrun_that_hangs_after_its_driver_stopped_the_job_is_killed(tmp_path):
     # Horovod 0.28 at times never exits after "-> stop running" (a registry thread left in
-    # its barrier: tests/cluster/test_host_replacement.py meets it). Here a command that
-    # says the driver's words and then ignores SIGTERM, with the wait lowered to 1 s.
-    code = ("import sys\nfrom hvd_adapt.scheduling import job_supervisor\n"
-            "job_supervisor.DRIVER_EXIT_SECONDS = 1.0\nsys.exit(job_supervisor.main(sys.argv[1:]))")
-    script = ('echo "ERROR:root:failure count == 2 -> stop running" >&2\n'
-              'trap "" TERM\nwhile :; do sleep 0.05; done\n')
-    result = subprocess.run([sys.executable, "-c", code, "--lock", str(tmp_path / "job.lock"),
-                             "--max-restarts", "0", "--", "sh", "-c", script],
-                            capture_output=True, text=True, timeout=120)
+    # its barrier: tests/cluster/test_host_replacement.py meets it). Here a stand-in whose
+    # worker session ends, that says the driver's words and then ignores SIGTERM, with the
+    # wait lowered to 1 s.
+    result = supervise_stand_in(tmp_path, HANGS_AFTER_THE_STOP)
     assert result.returncode == 137, result.stderr
-    assert "horovodrun has not exited (it hangs at times after a stop): killing it" in result.stderr
+    assert "its workers are gone and horovodrun has not exited (it hangs at times after a " \
+        "stop): killing it" in result.stderr
     assert "restart budget is spent (--max-restarts 0): exiting with 137" in result.stderr
+
+
+HANGS_AFTER_THE_STOP = r'''
+import signal, subprocess, sys, time
+subprocess.run(["sh", "-c", "env HOROVOD_HOSTNAME=localhost HOROVOD_RANK=0 sleep 3"])
+print("ERROR:root:failure count == 1 -> stop running", file=sys.stderr, flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    time.sleep(0.05)
+'''
 
 
 def test_a_lock_planted_where_the_job_would_put_it_is_refused(tmp_path):
@@ -165,3 +184,50 @@ def test_a_lock_planted_where_the_job_would_put_it_is_refused(tmp_path):
     result = supervise(tmp_path, "touch ran")
     assert result.returncode == 1 and "is a symlink: refusing to use it as a lock" in result.stderr
     assert victim.read_text() == "precious" and not (tmp_path / "ran").exists()
+
+
+# A worker on this host, started as horovodrun starts one: a shell whose command line
+# exports the slot's variables; it says the driver's words (as a script that logs what it
+# caught might), trains on for 6 s and finishes.
+SAYS_THE_DRIVERS_WORDS = r'''
+import subprocess, sys
+said = sys.argv[1] + "ERROR:root:failure count == 2 -> stop running"
+worker = subprocess.Popen(["sh", "-c", "env HOROVOD_HOSTNAME=localhost HOROVOD_RANK=0 "
+                           f"sh -c 'echo \"{said}\"; sleep 6; touch finished'"])
+sys.exit(worker.wait())
+'''
+
+
+@pytest.mark.parametrize("prefix", ["", "[1,0]<stdout>:"], ids=["mpirun", "horovodrun-mpi"])
+def test_a_script_printing_the_drivers_words_does_not_end_its_job(tmp_path, prefix):
+    # Plain mpirun passes a worker's lines on as they are, horovodrun's MPI mode tags them
+    # as Open MPI does ("[1,0]<stdout>:"), not as its Gloo mode ("[0]<stdout>:"). A line of
+    # output alone is no evidence that a horovodrun hangs: its workers still run.
+    result = supervise_stand_in(tmp_path, SAYS_THE_DRIVERS_WORDS, prefix)
+    assert result.returncode == 0, result.stderr
+    assert "killing it" not in result.stderr and (tmp_path / "finished").exists()
+
+
+# A remote worker's session (ssh's command line carries the slot's variables) fails; the
+# worker on this host trains on for 6 s. Horovod runs that one as
+# `sh -c 'env HOROVOD_...=... python train.py'`, which bash, /bin/sh on RHEL, Fedora and
+# Arch, execs: its command line says nothing of Horovod, its environment does.
+LOCAL_WORKER_OUTLIVES_A_REMOTE_ONE = r'''
+import os, subprocess, sys
+remote = subprocess.Popen([os.path.abspath("ssh"), "h2", "cd /job > /dev/null 2>&1 ; env "
+                           "HOROVOD_HOSTNAME=h2 HOROVOD_RANK=1 python train.py"])
+local = subprocess.Popen(["sh", "-c", "exec env HOROVOD_HOSTNAME=localhost HOROVOD_RANK=0 "
+                          "sh -c 'sleep 6; touch finished'"])
+if remote.wait():
+    print(f"Process 1 exit with status code {remote.returncode}.", flush=True)
+sys.exit(local.wait())
+'''
+
+
+def test_a_worker_whose_shell_execd_it_counts_as_a_worker(tmp_path):
+    ssh = tmp_path / "ssh"
+    ssh.write_text("#!/bin/sh\nsleep 3\nexit 255\n")
+    ssh.chmod(0o755)
+    result = supervise_stand_in(tmp_path, LOCAL_WORKER_OUTLIVES_A_REMOTE_ONE)
+    assert result.returncode == 0, result.stderr
+    assert "has had no worker" not in result.stderr and (tmp_path / "finished").exists()

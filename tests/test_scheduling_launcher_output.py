@@ -86,6 +86,11 @@ def test_a_fixed_size_run_names_the_worker_whose_exit_ended_it():
 def test_a_worker_printing_the_drivers_words_is_not_the_driver():
     assert read("[1]<stderr>:failure count == 2 -> stop running\n"
                 "Mon Jan  1 00:00:00 2024[0]<stdout>:Process name: 0\n").driver_gave_up() is None
+    # horovodrun's MPI mode: Open MPI's --tag-output, MPICH's -l.
+    assert read("[1,0]<stdout>:ERROR:root:failure count == 2 -> stop running\n"
+                "[1,1]<stderr>:The first process to do so was:\n"
+                "[0] No hosts from previous set remaining, unable to broadcast state.\n"
+                ).driver_gave_up() is None
     assert read("horovodrun: error: unrecognized arguments: --bogus\n").driver_gave_up() is None
 
 

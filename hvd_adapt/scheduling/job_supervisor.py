@@ -201,18 +201,35 @@ def _children():
     return found
 
 
+def _exports_rank(pid):
+    """Whether process ``pid`` runs a worker's command: its command line exports the slot's
+    rank (``sh -c 'env ... HOROVOD_RANK=...'`` on this host, ``ssh HOST '...
+    HOROVOD_RANK=...'`` to another), or its environment holds it where a shell exec'd that
+    command (bash, /bin/sh on RHEL or Fedora, does: the command line is then the script's
+    own). The environment is evidence only where this process's own has no HOROVOD_RANK
+    (else every descendant inherits it)."""
+    command = _command_line(pid)
+    if command is not None and "HOROVOD_RANK=" in command:
+        return True
+    if "HOROVOD_RANK" in os.environ:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return any(entry.startswith(b"HOROVOD_RANK=") for entry in f.read().split(b"\0"))
+    except OSError:
+        return False
+
+
 def _worker_sessions(root):
-    """How many of ``root``'s descendants are worker sessions horovodrun started: their
-    command line exports the slot's rank (``sh -c 'env ... HOROVOD_RANK=...'`` on this host,
-    ``ssh HOST '... HOROVOD_RANK=...'`` to another)."""
+    """How many of ``root``'s descendants are worker sessions horovodrun started (the first
+    process of each line of descent that :func:`_exports_rank`)."""
     children = {}
     for pid, parent in _parents().items():
         children.setdefault(parent, []).append(pid)
     sessions, todo = 0, list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        command = _command_line(pid)
-        if command is not None and "HOROVOD_RANK=" in command:
+        if _exports_rank(pid):
             sessions += 1
         else:
             todo += children.get(pid, ())
@@ -269,9 +286,12 @@ class JobSupervisor:
         return returncode, output
 
     def _wait(self, proc, output):
-        """Wait for horovodrun's end. SIGKILL it where its driver stopped the job
-        ``DRIVER_EXIT_SECONDS`` ago and it has not exited, or where it has had no worker
-        for that long after workers failed (``self.lost_every_worker``)."""
+        """Wait for horovodrun's end. SIGKILL it where its driver said it stopped the job
+        ``DRIVER_EXIT_SECONDS`` ago and its workers are gone, or where it has had no worker
+        for that long after workers failed (``self.lost_every_worker``). Either way the
+        evidence is the process tree's as well as the output's: workers of this run were
+        seen and none is left (a line of output alone may be a script's, and a horovodrun
+        whose workers run is not hanging)."""
         self.lost_every_worker = False
         seen_workers, alone_since = False, None
         while True:
@@ -279,22 +299,24 @@ class JobSupervisor:
                 return proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
-            since = output.seconds_since_the_driver_gave_up()
-            if since is not None and since > DRIVER_EXIT_SECONDS:
-                log.warning("Horovod's driver stopped the job %.0f s ago and horovodrun has not "
-                            "exited (it hangs at times after a stop): killing it", since)
-                proc.kill()
-                return proc.wait()
             if _worker_sessions(proc.pid):
                 seen_workers, alone_since = True, None
                 continue
-            if not seen_workers or not output.workers_failed():
+            stopped = output.seconds_since_the_driver_gave_up()
+            failed = output.workers_failed()
+            if not seen_workers or (stopped is None and not failed):
                 continue
+            if stopped is not None and stopped > DRIVER_EXIT_SECONDS:
+                log.warning("Horovod's driver stopped the job %.0f s ago, its workers are gone "
+                            "and horovodrun has not exited (it hangs at times after a stop): "
+                            "killing it", stopped)
+                proc.kill()
+                return proc.wait()
             alone_since = alone_since or time.monotonic()
-            if time.monotonic() - alone_since > DRIVER_EXIT_SECONDS:
+            if failed and time.monotonic() - alone_since > DRIVER_EXIT_SECONDS:
                 log.warning("horovodrun has had no worker for %.0f s, its last ones failed (%s), "
                             "and its driver waits on: the job's state is gone but for its "
-                            "checkpoint; killing it", DRIVER_EXIT_SECONDS, output.workers_failed())
+                            "checkpoint; killing it", DRIVER_EXIT_SECONDS, failed)
                 self.lost_every_worker = True
                 proc.kill()
                 return proc.wait()

@@ -60,8 +60,10 @@ _MPI_SIGNAL = re.compile(r"mpirun noticed that process rank (\d+) with PID \d+ o
                          r"exited on signal (\d+)")
 # horovodrun (Gloo, elastic or not) on each worker that exited non-zero.
 _WORKER_EXIT = re.compile(r"^Process (\S+) exit with status code (-?\d+)\.")
-# A worker's line as horovodrun forwards it (optionally after a timestamp): not the driver's.
-_WORKER_LINE = re.compile(r"^[^\[]*\[\d+\]<std(?:out|err)>:")
+# A worker's line as the launcher forwards it (optionally after a timestamp): not the driver's.
+# horovodrun --gloo tags it "[0]<stdout>:"; horovodrun's MPI mode runs mpirun with
+# --tag-output, Open MPI's "[1,0]<stdout>:", or with MPICH's and Intel MPI's -l, "[0] ".
+_WORKER_LINE = re.compile(r"^[^\[]*\[\d+(?:,\d+)?\](?:<std(?:out|err|diag)>:| )")
 
 
 class RunOutput:
