@@ -25,12 +25,13 @@ def job_directories_under_pytests_temp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    """The namespace cluster (tests/cluster/bed.py): 3 hosts, one per test module."""
+    """The namespace cluster (tests/cluster/bed.py): 3 hosts and the launcher's own, one per
+    test module."""
     import bed as cluster
     reason = cluster.missing()
     if reason:
         pytest.skip(reason)
-    with cluster.Bed(3, ssh_options=cluster.KEEPALIVE,
+    with cluster.Bed(3, ssh_options=cluster.KEEPALIVE, launcher=True,
                      root=str(tmp_path_factory.mktemp("bed"))) as made:
         yield made
 
