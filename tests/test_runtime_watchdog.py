@@ -21,7 +21,14 @@ WORKER = textwrap.dedent("""
     import sys, time
     from hvd_adapt._runtime import watchdog
     from hvd_adapt._runtime.rendezvous import RendezvousServer
-    beacon = watchdog.start(RendezvousServer(sys.argv[1], sys.argv[2]))
+    beacon = watchdog.start()
+    if sys.argv[3] == "not_elastic":
+        beacon.close()
+        print(beacon.process.pid, flush=True)
+        beacon.process.wait()
+        print("watchdog ended", beacon.process.returncode, flush=True)
+        time.sleep(600)
+    beacon.watch(RendezvousServer(sys.argv[1], sys.argv[2]))
     print(beacon.process.pid, flush=True)
     if sys.argv[3] == "wedged":
         import ctypes
@@ -103,6 +110,15 @@ def test_a_worker_whose_launcher_session_is_gone_is_ended(store):
     proc.stdout.close()     # as sshd's end of the pipe when horovodrun's ssh ends
     assert "the launcher's session to it is gone (its standard output has no reader" in \
         ended(proc)
+
+
+def test_a_watchdog_told_nothing_to_watch_ends(store):
+    # A standby starts its watchdog before its hand-over; handed a launch that is not
+    # elastic, it closes the watchdog's socket.
+    proc, _ = stand_in_worker(store.address, store.port, "not_elastic")
+    assert proc.stdout.readline() == "watchdog ended 0\n"
+    proc.kill()
+    proc.wait()
 
 
 def test_the_watchdog_dies_with_its_worker(store):

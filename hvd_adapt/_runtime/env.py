@@ -12,7 +12,7 @@ import os
 import horovod.torch as hvd
 import torch
 
-from ..scheduling.standby import wait_for_handover
+from ..scheduling.standby import ENV_FD as STANDBY_FD, wait_for_handover
 from .blas import cap_loaded_scipy_blas
 from . import watchdog
 from .context import CONTEXT
@@ -47,6 +47,9 @@ def init(comm=None):
     """
     if initialized():
         return
+    # A standby starts its watchdog before its hand-over, so that a warm join waits for no
+    # process to start (watchdog.py).
+    beacon = watchdog.start() if STANDBY_FD in os.environ or is_elastic() else None
     # A standby worker (hvd-adapt-worker --standby) waits here, booted, for the
     # slot and environment of the launch that takes it over.
     wait_for_handover()
@@ -55,10 +58,12 @@ def init(comm=None):
         cap_loaded_scipy_blas()
     elastic = is_elastic()
     server = RendezvousServer.from_environment() if elastic else None
-    if server is not None:
-        # Before the meeting, which a worker that hangs in it would never leave (see
-        # watchdog.py).
-        CONTEXT.watchdog = watchdog.start(server)
+    if beacon is not None and server is None:
+        beacon.close()
+    elif beacon is not None:
+        # Before the meeting, which a worker that hangs in it would never leave.
+        beacon.watch(server)
+        CONTEXT.watchdog = beacon
     # Refuses a host whose name resolves to loopback, and meets the world; Gloo's
     # timeout is short in an elastic world, since the meeting lets no worker into its
     # rendezvous before all have started (gloo.py).

@@ -13,9 +13,10 @@ an elastic Gloo launch starts this process with the worker (:func:`start`).
 It dies with the worker (``PR_SET_PDEATHSIG``), and about once a second
 (``liveness.POLL_SECONDS``) it
 
-- polls its own standard output and error, which are the worker's (the pipes
-  that horovodrun, or the sshd of horovodrun's ssh, reads): an error or hang-up
-  there means nobody reads the worker any more;
+- polls the worker's standard output and error (the pipes that horovodrun, or
+  the sshd of horovodrun's ssh, reads; they are its own as well, so its lines go
+  where the worker's do): an error or hang-up there means nobody reads the
+  worker any more;
 - asks the job's rendezvous server for the peers' reset marker (put by the
   first worker that enters hvd_adapt's reset, ``_runtime/gloo.py``): answered,
   refused (horovodrun's process is gone) or silent (an outage);
@@ -29,13 +30,20 @@ ssh command exits non-zero, the driver records the failure (and blacklists
 the host for its cooldown, ``horovodrun --blacklist-cooldown-range``) and
 forms a world of the survivors. A script that uses Horovod's own
 ``hvd.elastic.run`` puts no marker, so only the launcher rules guard it.
+
+The process starts before the worker knows its launch (a standby starts it
+before its hand-over, so that a warm join waits for no process to start) and
+waits on a socket for the worker to name the rendezvous server and hand it the
+standard output and error it then has (:meth:`Beacon.watch`).
 """
 import argparse
+import json
 import logging
 import mmap
 import os
 import select
 import signal
+import socket
 import stat
 import struct
 import subprocess
@@ -56,16 +64,29 @@ STREAMS = {1: "standard output", 2: "standard error"}
 
 
 class Beacon:
-    """The worker's side: a thread that beats in one page of shared memory, and the
-    watchdog process that reads it."""
+    """The worker's side: a thread that beats in one page of shared memory, the watchdog
+    process that reads it, and the socket that tells the watchdog what to watch."""
 
     def __init__(self):
         self.fd = os.memfd_create("hvd_adapt-heartbeat", 0)
         os.ftruncate(self.fd, _PAGE.size)
         self.page = mmap.mmap(self.fd, _PAGE.size)
         self.process = None
+        self.socket = None
         self.thread = threading.Thread(target=self._beat, name="hvd_adapt-heartbeat",
                                        daemon=True)
+
+    def watch(self, server):
+        """Tell the watchdog the job's rendezvous ``server`` and hand it this worker's
+        standard output and error as they are now (a standby's are its launch's): it starts
+        watching."""
+        message = json.dumps({"server": str(server)}).encode()
+        socket.send_fds(self.socket, [message], [1, 2])
+        self.socket.close()
+
+    def close(self):
+        """No watching after all (a launch that is not elastic): the watchdog exits."""
+        self.socket.close()
 
     def _beat(self):
         beats = 0
@@ -80,22 +101,37 @@ def read_beats(page):
     return _PAGE.unpack_from(page, 0)[0]
 
 
-def start(server):
-    """Start this worker's heartbeat and watchdog; return the :class:`Beacon`."""
+def start():
+    """Start this worker's heartbeat and its watchdog, which waits to be told what to watch
+    (:meth:`Beacon.watch`); return the :class:`Beacon`. A standby starts it before its
+    hand-over, so that a warm join does not wait for a process to start."""
     beacon = Beacon()
     beacon.thread.start()
-    # Its standard output and error are the worker's: the watchdog watches their readers,
-    # and its lines go where the worker's do.
-    beacon.process = subprocess.Popen(
-        [sys.executable, "-m", __name__, "--pid", str(os.getpid()), "--fd", str(beacon.fd),
-         "--server", str(server)],
-        pass_fds=(beacon.fd,), stdin=subprocess.DEVNULL, close_fds=True)
+    beacon.socket, theirs = socket.socketpair()
+    with theirs:
+        beacon.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--pid", str(os.getpid()), "--fd", str(beacon.fd)],
+            pass_fds=(beacon.fd,), stdin=theirs, close_fds=True)
     return beacon
 
 
+def told(sock):
+    """The rendezvous server the worker names and its standard output and error (put on
+    this process's own: its lines go where the worker's do), or None where the worker
+    closed the socket (nothing to watch)."""
+    message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+    if not message:
+        return None
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    address, port = json.loads(message)["server"].rsplit(":", 1)
+    return RendezvousServer(address, port)
+
+
 def watched_streams():
-    """``{fd: poll object}`` of this process's standard streams that have a reader to lose
-    (a pipe, a socket, a terminal); a file or /dev/null has none."""
+    """``{fd: name}`` of this process's standard streams that have a reader to lose (a pipe,
+    a socket, a terminal); a file or /dev/null has none."""
     watched = {}
     for fd in STREAMS:
         try:
@@ -118,18 +154,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="hvd_adapt's watchdog of one worker")
     parser.add_argument("--pid", type=int, required=True)
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--server", required=True)
     args = parser.parse_args(argv)
     death_signal_setter()()
     if os.getppid() != args.pid:
         return    # the worker ended before the line above
+    with socket.socket(fileno=os.dup(0)) as sock:
+        server = told(sock)
+    if server is None:
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"hvd_adapt watchdog of pid {args.pid}: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     page = mmap.mmap(args.fd, _PAGE.size)
-    address, port = args.server.rsplit(":", 1)
-    server = RendezvousServer(address, port)
     watched = watched_streams()
     poller = select.poll()
     for fd in watched:

@@ -209,13 +209,15 @@ def launcher_cut_off(bed, job, outages=(12, 30), trained_on=60):
 def kill_launcher(bed, job, ends=60):
     """SIGKILL horovodrun, and wait up to ``ends`` s for every worker on h1..h3 to end.
     ``job.killed_at``: when; ``job.left``: the workers still there after that (killed
-    then)."""
+    then); ``job.ended_after``: seconds until the last one ended (None where some were
+    left)."""
     job.killed_at = time.time()
     job.process.kill()
     deadline = time.monotonic() + ends
     while time.monotonic() < deadline and any(_python_workers(bed, h) for h in WORKER_HOSTS):
-        time.sleep(0.2)
+        time.sleep(0.1)
     job.left = [pid for host in WORKER_HOSTS for pid in _python_workers(bed, host)]
+    job.ended_after = None if job.left else time.time() - job.killed_at
 
 
 def solo_work_then_crash(bed, job, into=5, started=60):
