@@ -85,7 +85,9 @@ def test_a_rank_already_in_gloos_rendezvous_has_started(store):
 
 
 def test_a_launch_that_is_not_elastic_never_asks_a_driver(store):
-    assert gloo.meet(store, 0, 2, b"h0", wait=None, timeout=0.3) == gloo.GO
+    assert gloo.meet(store, 1, 2, b"h1", wait=None, timeout=0.3) == gloo.GO
+    assert store.get(gloo.START_SCOPE, "1") == b"h1"
+    assert gloo.meet(store, 0, 3, b"h0", wait=None, timeout=0.3) == gloo.GO
 
 
 def test_ranks_whose_rank_0_never_comes_leave_and_a_late_rank_0_follows(store):

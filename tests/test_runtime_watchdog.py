@@ -22,6 +22,10 @@ WORKER = textwrap.dedent("""
     from hvd_adapt._runtime import watchdog
     from hvd_adapt._runtime.rendezvous import RendezvousServer
     beacon = watchdog.start()
+    if sys.argv[3] == "no_stdout":
+        print(beacon.process.pid, flush=True)
+        import os
+        os.close(1)
     if sys.argv[3] == "not_elastic":
         beacon.close()
         print(beacon.process.pid, flush=True)
@@ -29,7 +33,8 @@ WORKER = textwrap.dedent("""
         print("watchdog ended", beacon.process.returncode, flush=True)
         time.sleep(600)
     beacon.watch(RendezvousServer(sys.argv[1], sys.argv[2]))
-    print(beacon.process.pid, flush=True)
+    if sys.argv[3] != "no_stdout":
+        print(beacon.process.pid, flush=True)
     if sys.argv[3] == "wedged":
         import ctypes
         ctypes.PyDLL(None).sleep(600)   # holds the GIL, uses no CPU: a wedged interpreter
@@ -110,6 +115,16 @@ def test_a_worker_whose_launcher_session_is_gone_is_ended(store):
     proc.stdout.close()     # as sshd's end of the pipe when horovodrun's ssh ends
     assert "the launcher's session to it is gone (its standard output has no reader" in \
         ended(proc)
+
+
+def test_a_worker_without_a_standard_output_is_watched_on_the_rest(store):
+    proc, _ = stand_in_worker(store.address, store.port, "no_stdout")
+    proc.stderr.close()     # its one stream with a reader loses it
+    try:
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_a_watchdog_told_nothing_to_watch_ends(store):

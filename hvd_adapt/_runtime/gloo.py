@@ -225,7 +225,7 @@ class Meeting:
         timeout = start_timeout() if timeout is None else timeout
         if self.rank == 0:
             return self._decide(wait, timeout)
-        return self._follow(timeout)
+        return self._follow(timeout, elastic=wait is not None)
 
     def _polls(self, timeout):
         """Yield the seconds waited so far, pausing between polls, until ``timeout``."""
@@ -275,7 +275,7 @@ class Meeting:
                     START_TIMEOUT_VARIABLE)
         return GO
 
-    def _follow(self, timeout):
+    def _follow(self, timeout, elastic):
         others = set(range(self.size)) - {self.rank}
         for _ in self._polls(timeout):
             verdict = self.server.get(START_SCOPE, VERDICT_KEY)
@@ -287,7 +287,7 @@ class Meeting:
                 others, _, _ = self._missing(others)
                 if not others:
                     return GO
-        if self._mark_of(0) is None and self._in_gloo(0):
+        if not elastic or (self._mark_of(0) is None and self._in_gloo(0)):
             log.warning("rank %d of %d: ranks %s did not start within %g s (%s); "
                         "initialising without them", self.rank, self.size, sorted(others),
                         timeout, START_TIMEOUT_VARIABLE)

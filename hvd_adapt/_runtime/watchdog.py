@@ -80,8 +80,9 @@ class Beacon:
         """Tell the watchdog the job's rendezvous ``server`` and hand it this worker's
         standard output and error as they are now (a standby's are its launch's): it starts
         watching."""
-        message = json.dumps({"server": str(server)}).encode()
-        socket.send_fds(self.socket, [message], [1, 2])
+        streams = [fd for fd in STREAMS if _is_open(fd)]
+        message = json.dumps({"server": str(server), "streams": streams}).encode()
+        socket.send_fds(self.socket, [message], streams)
         self.socket.close()
 
     def close(self):
@@ -94,6 +95,14 @@ class Beacon:
             beats += 1
             _PAGE.pack_into(self.page, 0, beats)
             time.sleep(liveness.BEAT_SECONDS)
+
+
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def read_beats(page):
@@ -119,13 +128,17 @@ def told(sock):
     """The rendezvous server the worker names and its standard output and error (put on
     this process's own: its lines go where the worker's do), or None where the worker
     closed the socket (nothing to watch)."""
-    message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+    message, fds, _, _ = socket.recv_fds(sock, 4096, len(STREAMS))
     if not message:
         return None
-    for target, fd in zip((1, 2), fds):
+    message = json.loads(message)
+    for target in STREAMS:
+        if target not in message["streams"]:
+            os.close(target)      # the worker has none: nothing of it to watch there
+    for target, fd in zip(message["streams"], fds):
         os.dup2(fd, target)
         os.close(fd)
-    address, port = json.loads(message)["server"].rsplit(":", 1)
+    address, port = message["server"].rsplit(":", 1)
     return RendezvousServer(address, port)
 
 
