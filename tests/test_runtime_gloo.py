@@ -84,6 +84,27 @@ def test_a_rank_already_in_gloos_rendezvous_has_started(store):
     assert gloo.meet(store, 0, 4, b"h0", wait=0.1, timeout=0.5) == gloo.GO
 
 
+def test_a_worker_whose_world_moved_on_during_its_meeting_trusts_no_verdict(store):
+    # Cut off in its meeting, the driver formed the next world without it; healed, it reads
+    # that world's verdict, but its own mark is gone with the world it was in.
+    outcome = []
+
+    def follow():
+        try:
+            outcome.append(gloo.meet(store, 1, 3, b"h1"))
+        except LauncherGone as e:
+            outcome.append(str(e))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    while store.get(gloo.START_SCOPE, "1") is None:
+        pass
+    Store.data.clear()                                  # the driver's next world
+    store.put(gloo.START_SCOPE, gloo.VERDICT_KEY, gloo.GO)
+    follower.join(30)
+    assert len(outcome) == 1 and "formed the next world without it" in outcome[0], outcome
+
+
 def test_a_launch_that_is_not_elastic_never_asks_a_driver(store):
     assert gloo.meet(store, 1, 2, b"h1", wait=None, timeout=0.3) == gloo.GO
     assert store.get(gloo.START_SCOPE, "1") == b"h1"
@@ -102,13 +123,13 @@ def test_the_next_world_is_asked_for_after_the_marker_and_only_by_a_worker_of_th
     monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")
     store.put("rank_and_size", "h2:0", b"1,2,0,1,1,2")
     store.put(gloo.START_SCOPE, "2", b"h2:0:42")
-    assert gloo.ask_for_next_world(store, 2, b"h2:0:42") == b"1,2,0,1,1,2"
+    assert gloo.ask_for_next_world(store, b"h2:0:42", 2) == b"1,2,0,1,1,2"
     assert store.get(RESET_SCOPE, RESET_KEY) == b"1"
     # The driver formed a world without this worker while it could not reach the launcher
     # (its mark there is another's): it must not answer for its old slot.
     store.put(gloo.START_SCOPE, "2", b"h1:0:7")
     with pytest.raises(LauncherGone, match="formed the next world without it"):
-        gloo.ask_for_next_world(store, 2, b"h2:0:42")
+        gloo.ask_for_next_world(store, b"h2:0:42", 2)
 
 
 def test_a_new_worker_sent_to_the_driver_takes_its_next_slot(store, monkeypatch):

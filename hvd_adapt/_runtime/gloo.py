@@ -218,14 +218,22 @@ class Meeting:
     def run(self, wait=MEETING_SECONDS, timeout=None):
         """``GO`` (every rank is there: initialise) or ``AGAIN`` (ask the driver for the
         next world); ``wait`` None: a launch without a driver to ask (not elastic), where
-        rank 0 waits up to ``timeout`` for the rest."""
+        rank 0 waits up to ``timeout`` for the rest. Raises
+        :class:`~.rendezvous.LauncherGone` where this worker's mark is gone meanwhile: the
+        driver formed the next world without it (a verdict found then is that world's)."""
         self.server.put(START_SCOPE, str(self.rank), self.mark)
         if self.size == 1:
             return GO
         timeout = start_timeout() if timeout is None else timeout
         if self.rank == 0:
-            return self._decide(wait, timeout)
-        return self._follow(timeout, elastic=wait is not None)
+            verdict = self._decide(wait, timeout)
+        else:
+            verdict = self._follow(timeout, elastic=wait is not None)
+        found = self._mark_of(self.rank)
+        reason = liveness.left_behind(self.mark, self.mark if found == LEFT else found)
+        if reason is not None:
+            raise LauncherGone(reason)
+        return verdict
 
     def _polls(self, timeout):
         """Yield the seconds waited so far, pausing between polls, until ``timeout``."""
@@ -275,19 +283,25 @@ class Meeting:
                     START_TIMEOUT_VARIABLE)
         return GO
 
+    def _rank_0_in_gloo(self):
+        """Whether rank 0 is a survivor of Horovod's own reset (in Gloo's rendezvous, no
+        mark of ours: no verdict comes)."""
+        return self._mark_of(0) is None and self._in_gloo(0)
+
     def _follow(self, timeout, elastic):
         others = set(range(self.size)) - {self.rank}
+        rank_0_meets = False
         for _ in self._polls(timeout):
             verdict = self.server.get(START_SCOPE, VERDICT_KEY)
             if verdict in (GO, AGAIN):
                 return verdict
-            if self._mark_of(0) is None and self._in_gloo(0):
-                # Rank 0 is a survivor of Horovod's own reset (no verdict comes): go once all
-                # are there.
+            rank_0_meets = rank_0_meets or self._mark_of(0) is not None
+            if not rank_0_meets and self._in_gloo(0):
+                # Go once all are there.
                 others, _, _ = self._missing(others)
                 if not others:
                     return GO
-        if not elastic or (self._mark_of(0) is None and self._in_gloo(0)):
+        if not elastic or self._rank_0_in_gloo():
             log.warning("rank %d of %d: ranks %s did not start within %g s (%s); "
                         "initialising without them", self.rank, self.size, sorted(others),
                         timeout, START_TIMEOUT_VARIABLE)
@@ -369,17 +383,19 @@ def identity():
             f"{os.environ.get('HOROVOD_LOCAL_RANK', '0')}:{os.getpid()}").encode()
 
 
-def ask_for_next_world(server, last_rank, mark):
+def ask_for_next_world(server, mark, last_rank=None):
     """This worker's slot in the driver's next world (its ``rank_and_size`` answer), asked
     once it has put the reset marker (its peers' watchdogs and ``hvd-adapt-discover``
-    read it), and once its own ``mark`` under ``last_rank`` shows the world it was in is
-    still the driver's. Each request waits out an outage of the launcher, however long.
-    Raises :class:`~.rendezvous.LauncherGone` where horovodrun is gone or the driver went
-    on without this worker (``liveness.left_behind``)."""
+    read it), and, after a reset of a worker that was rank ``last_rank``, once its own
+    ``mark`` there shows that the world it trained in is still the driver's (a worker
+    sent back by its meeting has just seen it). Each request waits out an outage of the
+    launcher, however long. Raises :class:`~.rendezvous.LauncherGone` where horovodrun is
+    gone or the driver went on without this worker (``liveness.left_behind``)."""
     server.put(RESET_SCOPE, RESET_KEY, b"1")
-    reason = liveness.left_behind(mark, server.get(START_SCOPE, str(last_rank)))
-    if reason is not None:
-        raise LauncherGone(reason)
+    if last_rank is not None:
+        reason = liveness.left_behind(mark, server.get(START_SCOPE, str(last_rank)))
+        if reason is not None:
+            raise LauncherGone(reason)
     # Answered once the driver has every worker of this world's state; asked at most once per
     # world (asking again would count this worker twice).
     key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
@@ -426,7 +442,7 @@ def _meet_world(server, reset, elastic, last_rank):
     iface = os.environ.get(IFACE_VARIABLE)
     mark = identity()
     if reset:
-        answer = ask_for_next_world(server, last_rank, mark)
+        answer = ask_for_next_world(server, mark, last_rank)
     else:
         answer = ",".join(os.environ.get(name, "1" if name.endswith("SIZE") else "0")
                           for name in SLOT_VARIABLES).encode()
@@ -441,7 +457,7 @@ def _meet_world(server, reset, elastic, last_rank):
         check_host_address(iface, cross_size)
         if meet(server, rank, size, mark, MEETING_SECONDS if elastic else None) == GO:
             break
-        answer = ask_for_next_world(server, rank, mark)
+        answer = ask_for_next_world(server, mark)
         if not reset:
             # A first hvd.init() reads its slot from the environment (a reset's asks the
             # proxy).
