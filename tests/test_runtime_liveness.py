@@ -89,11 +89,17 @@ def test_a_worker_is_left_behind_only_when_its_world_is_gone():
 
 def test_a_silent_host_is_lost_only_when_its_peers_reset_without_it():
     args = dict(lost_after=2, min_probes=2, port=22)
-    assert liveness.host_lost("h3", 1.0, 2, peers_reset=True, **args) == (False, None)
-    assert liveness.host_lost("h3", 5.0, 1, peers_reset=True, **args) == (False, None)
-    lost, reason = liveness.host_lost("h3", 5.0, 3, peers_reset=False, **args)
+    assert liveness.host_lost("h3", 1.0, 2, peers_reset=True, others_answer=True, **args) == (False, None)
+    assert liveness.host_lost("h3", 5.0, 1, peers_reset=True, others_answer=True, **args) == (False, None)
+    lost, reason = liveness.host_lost("h3", 5.0, 3, peers_reset=False, others_answer=True,
+                                      **args)
     assert not lost and "no worker of the job has reset: keeping its sessions" in reason
-    lost, reason = liveness.host_lost("h3", 5.0, 3, peers_reset=True, **args)
+    # Every host silent: the launcher's own link, even while a reset is under way.
+    lost, reason = liveness.host_lost("h3", 5.0, 3, peers_reset=True, others_answer=False,
+                                      **args)
+    assert not lost and "nor does any other host of the job" in reason
+    lost, reason = liveness.host_lost("h3", 5.0, 3, peers_reset=True, others_answer=True,
+                                      **args)
     assert lost and "while the job's workers reset without it" in reason
 
 

@@ -116,14 +116,20 @@ def left_behind(own_mark, found):
             "not reach the launcher, so its slot is no longer its own")
 
 
-def host_lost(host, silent_for, probes, lost_after, min_probes, peers_reset, port=22):
+def host_lost(host, silent_for, probes, lost_after, min_probes, peers_reset, others_answer,
+              port=22):
     """``(lost, reason)`` for a host of the job that said nothing (no connection, no refusal)
     to ``probes`` probes of its port over ``silent_for`` seconds: lost only after
     ``lost_after`` s and ``min_probes`` probes, and only where ``peers_reset`` (the job's
-    workers reset while it said nothing): a host that is silent while nobody resets is the
-    launcher's link down, and its workers train on with their peers."""
+    workers reset while it said nothing) and ``others_answer`` (another host of the job
+    answered these probes): a host that is silent while nobody resets, or while every host
+    is, is the launcher's link down, and its workers train on with their peers."""
     if probes < min_probes or silent_for < lost_after:
         return False, None
+    if not others_answer:
+        return False, (f"{host} says nothing on port {port}, nor does any other host of the "
+                       "job: keeping its sessions (the launcher's own link is down; its "
+                       "workers still train with their peers)")
     if not peers_reset:
         return False, (f"{host} says nothing on port {port}, but no worker of the job has "
                        "reset: keeping its sessions (the launcher's own link may be down, "

@@ -169,7 +169,8 @@ def end_lost_sessions(args, live, silent, unanswered, ended_at, now, problems):
         if reset is None and missed >= LOST_PROBES and now - first >= args.lost_after:
             reset = peers_reset([pid for each in live.values() for pid in each])
         lost, reason = host_lost(host, now - first, missed, args.lost_after, LOST_PROBES,
-                                 reset, args.ssh_port)
+                                 reset, any(other not in silent for other in live),
+                                 args.ssh_port)
         if lost:
             ended = end(pids)
             ended_at[host] = now
