@@ -33,11 +33,12 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    lost: it has said nothing (no connection, no refusal) to every probe for
    ``--lost-after`` seconds (2 probes at least, each missed one probed
    again for 1.5 s) while the job's workers reset without it (their marker
-   on the rendezvous server): Horovod's driver waits for a lost worker's
-   session to end before it forms the next world, and a host cut off
-   silently never ends it (:mod:`.sessions`). Meanwhile, and for 6 s after,
-   the offer stays as it is (``FREEZE_AFTER_END``). A host that is silent
-   while nobody resets keeps its sessions (the launcher's own link is down,
+   on the rendezvous server) and another of its hosts answers: Horovod's
+   driver waits for a lost worker's session to end before it forms the next
+   world, and a host cut off silently never ends it (:mod:`.sessions`).
+   Meanwhile, and for 6 s after, the offer stays as it is
+   (``FREEZE_AFTER_END``). A host that is silent while nobody resets, or
+   while every host is, keeps its sessions (the launcher's own link is down,
    and its workers still train together), as does one that answers, or
    refuses (it is up: its sshd restarting), listed or not: a host the base
    drops while it answers leaves gracefully, as below;
