@@ -20,13 +20,13 @@ added with a worker 20 s slow to start). The launcher's and a busy rank's:
   outage's own (plain Horovod: none);
 - ``launcher_killed``: horovodrun SIGKILLed; the outcome says when the last
   worker ended (goal: within 12 s; plain Horovod's train on as orphans);
-- ``solo_crash``: rank 0 computes alone for 30 s (an evaluation) and h3
-  crashes 5 s into it, discovery still listing it; goal: rank 0 never killed
-  (the pause is its work, as in plain Horovod);
+- ``solo_crash``: rank 0 computes alone for 30 s (an evaluation) and the last
+  rank's host crashes 5 s into it, discovery still listing it; goal: rank 0
+  never killed (the pause is its work, as in plain Horovod);
 - ``relaunch_refused``: h3 crashed and still listed by a plain discovery with
-  the default timeouts: after each blacklist cooldown the driver relaunches
-  there and ssh is refused; the pause is the longest one after the survivors
-  first trained at 2 (each failed relaunch's), goal <= 5 s.
+  the default timeouts: after each blacklist cooldown (7 s here) the driver
+  relaunches there and ssh is refused; the pause is the longest one after the
+  survivors first trained at 2 (each failed relaunch's), goal <= 5 s.
 
 Configurations, in the same invocation and on the same bed:
 
@@ -108,7 +108,9 @@ FAULTS = {
     "launcher_killed": (launcher_killed, {"epochs": 10 ** 6}),
     "solo_crash": (faults.solo_work_then_crash, {"epochs": 4,
                                                  "worker_args": ["--solo-work", "[8, 30]"]}),
-    "relaunch_refused": (faults.crash_listed, {"epochs": 5}),
+    # Cooldowns of 7 s: the relaunches come apart, so that each pause is one relaunch's.
+    "relaunch_refused": (faults.crash_listed, {"epochs": 6, "launcher_args":
+                                               ["--blacklist-cooldown-range", "6", "7"]}),
 }
 # Faults whose job never ends by itself: the run ends this long after the fault.
 ENDLESS = {"launcher_cut_12": 12 + 20, "launcher_cut_30": 30 + 20}
@@ -171,7 +173,7 @@ def one_run(bed, fault, config, env, folder, after_fault):
             outcome = f"died (exit {job.returncode})"
         return stall, f"{outcome}, {kills(job.output)} kill(s)"
     finally:
-        bed.heal("h3")
+        bed.heal(getattr(job, "crashed", None) or "h3")
         bed.heal(bed.launcher)
 
 

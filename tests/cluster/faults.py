@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(TESTS, "distributed"), TESTS]
 
 from launch import WORKERS, launch_env  # noqa: E402
 from processes import alive  # noqa: E402
-from training_logs import read_logs  # noqa: E402
+from training_logs import read_attempts, read_logs  # noqa: E402
 
 FAST_HOROVODRUN = os.path.join(TESTS, "hvdrun_fast_discovery.py")
 SAMPLES = 96
@@ -222,17 +222,22 @@ def kill_launcher(bed, job, ends=60):
 
 def solo_work_then_crash(bed, job, into=5, started=60):
     """Once rank 0 has started working alone (``--solo-work``, within ``started`` s), crash
-    h3 ``into`` seconds later; discovery still lists it. ``job.crash_time``: when (None
-    where the solo work never started)."""
-    job.crash_time = None
+    the host of the world's last rank ``into`` seconds later (Horovod's driver orders new
+    hosts as a set does: rank 0 need not be on h1); discovery still lists it.
+    ``job.crash_time``: when (None where the solo work never started); ``job.crashed``: the
+    host."""
+    job.crash_time, job.crashed = None, None
     deadline = time.monotonic() + started
     while not os.path.exists(os.path.join(job.out_dir, "solo_started")):
         if time.monotonic() > deadline:
             return
         time.sleep(0.05)
     time.sleep(into)
+    attempts = [entry for entries in read_attempts(job.out_dir).values() for entry in entries]
+    job.crashed = max((entry for entry in attempts if entry["rank"] == entry["size"] - 1),
+                      key=lambda entry: entry["time"])["host"]
     job.crash_time = time.time()
-    bed.crash("h3")
+    bed.crash(job.crashed)
 
 
 def _python_workers(bed, host):

@@ -72,12 +72,13 @@ def test_the_launcher_cut_off_for_12_then_30_seconds_then_killed(bed, job_dir):
 
 def test_rank_0_working_alone_is_not_killed_and_a_refused_relaunch_costs_no_timeout(
         bed, job_dir):
-    """Rank 0 computes alone for 30 s (an evaluation); 5 s into it h3 crashes, and a plain
-    discovery still lists h3. h2 resets at once, rank 0 when its work is done and its next
-    collective fails, and the two train on. After each blacklist cooldown (1-3 s) the
-    driver relaunches on h3, ssh is refused, and the survivors, who asked the driver for
-    the next world 2 s into their meeting, go on without it: the job finishes, and nobody
-    waited out HVD_ADAPT_START_TIMEOUT_SECONDS (default, 60 s)."""
+    """Rank 0 computes alone for 30 s (an evaluation); 5 s into it the last rank's host
+    crashes, and a plain discovery still lists it. The third worker resets at once, rank 0
+    when its work is done and its next collective fails, and the two train on. After each
+    blacklist cooldown (1-3 s) the driver relaunches on the crashed host, ssh is refused,
+    and the survivors, who asked the driver for the next world 2 s into their meeting, go
+    on without it: the job finishes, and nobody waited out HVD_ADAPT_START_TIMEOUT_SECONDS
+    (default, 60 s)."""
     job = faults.run_fault(bed, job_dir, faults.solo_work_then_crash, epochs=4,
                            after_fault=180, worker_args=["--solo-work", "[8, 30]"])
     try:
@@ -96,4 +97,4 @@ def test_rank_0_working_alone_is_not_killed_and_a_refused_relaunch_costs_no_time
         assert "exit with status code 255" in job.output, job.describe()
         assert "did not start within" not in job.output, job.describe()
     finally:
-        bed.heal("h3")
+        bed.heal(job.crashed or "h3")
