@@ -16,8 +16,9 @@ it, ``sigstop`` (its training process stopped for good), ``cold_joiner`` (h3
 added with a worker 20 s slow to start). The launcher's and a busy rank's:
 
 - ``launcher_cut_12``, ``launcher_cut_30``: h0's link down for 12 s or 30 s
-  (the workers still reach each other); goal: no kill, no pause beyond the
-  outage's own (plain Horovod: none);
+  (the workers still reach each other); the pause is the longest from the cut
+  to 5 s past the heal; goal: no kill, no pause beyond the outage's own
+  (plain Horovod: none);
 - ``launcher_killed``: horovodrun SIGKILLed; the outcome says when the last
   worker ended (goal: within 12 s; plain Horovod's train on as orphans);
 - ``solo_crash``: rank 0 computes alone for 30 s (an evaluation) and the last
@@ -148,6 +149,16 @@ def pause_after_first_world_of_two(job):
     return max((b - a for a, b in zip(times, times[1:])), default=None)
 
 
+def pause_around_outage(job, after=5.0):
+    """The longest time without a commit from the launcher's cut to ``after`` s past its
+    heal (the outage's own cost; later pauses are the loaded machine's), or None."""
+    cut, healed = job.outages[0]
+    times = sorted({entry["time"] for entry in job.commits
+                    if cut < entry["time"] <= healed + after})
+    return max((b - a for a, b in zip([cut] + times, times + [healed + after])),
+               default=None) if times else None
+
+
 def one_run(bed, fault, config, env, folder, after_fault):
     inject, options = FAULTS[fault]
     options = dict(options)
@@ -159,8 +170,12 @@ def one_run(bed, fault, config, env, folder, after_fault):
                            wrapped_discovery=config != "horovod" and fault not in PLAIN_DISCOVERY,
                            **options)
     try:
-        stall = (pause_after_first_world_of_two(job) if fault == "relaunch_refused"
-                 else job.longest_pause())
+        if fault == "relaunch_refused":
+            stall = pause_after_first_world_of_two(job)
+        elif fault in ENDLESS:
+            stall = pause_around_outage(job)
+        else:
+            stall = job.longest_pause()
         if fault == "launcher_killed":
             outcome = (f"{len(job.left)} worker(s) train on as orphans" if job.left else
                        f"every worker ended {job.ended_after:.1f} s after")
