@@ -1,5 +1,6 @@
-"""What one host's failure, or the launcher's, costs a 3-host elastic job, on the namespace
-cluster of tests/cluster.
+"""What one host's failure, or the launcher's, costs an elastic job on the namespace cluster.
+
+A 3-host job on the cluster of tests/cluster.
 
 Builds three network-namespace hosts with an sshd each and a fourth for the
 launcher (h0; root needed; ssh without keepalive, as ssh's defaults have it,
