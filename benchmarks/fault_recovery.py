@@ -1,10 +1,8 @@
 """What one host's failure, or the launcher's, costs an elastic job on the namespace cluster.
 
-A 3-host job on the cluster of tests/cluster.
-
 Builds three network-namespace hosts with an sshd each and a fourth for the
 launcher (h0; root needed; ssh without keepalive, as ssh's defaults have it,
-unless ``--ssh-keepalive``), runs tests/cluster/faults.py's job (elastic
+unless ``--ssh-keepalive``), runs tests/cluster/faults.py's 3-host job (elastic
 horovodrun on h0 over real ssh to h1, h2, h3; AdamW, a GradScaler,
 autoscaling) and injects a fault once the job has committed 6 steps. Per
 fault and configuration, over ``--runs`` runs: the survivors' pause (the
