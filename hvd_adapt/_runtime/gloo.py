@@ -99,10 +99,10 @@ START_TIMEOUT_SECONDS = 60
 # world to ask the driver for the next one: a warm standby comes in well under it; a cold
 # start (seconds) is then waited for in the driver, which also sees a launch that failed.
 MEETING_SECONDS = 2.0
-# The meeting's polls: the first after 20 ms, then up to every 50 ms (rank 0), and as often
-# for the other ranks of a small world; a large world's ask the driver's server less often
-# (2 ms per worker: 500 requests a second at most).
-POLL_FIRST, POLL_MOST, POLL_PER_WORKER = 0.02, 0.05, 0.002
+# The meeting's polls: every 20 ms (rank 0, and the other ranks of a small world: a warm
+# join waits for two of them); a large world's other ranks ask the driver's server less
+# often (2 ms per worker: 500 requests a second at most).
+POLL_SECONDS, POLL_PER_WORKER = 0.02, 0.002
 GO, AGAIN, LEFT = b"go", b"again", b"left"
 # Where Gloo's rendezvous of Horovod's global context puts each rank's address
 # (gloo_context.cc's HOROVOD_GLOO_GLOBAL_PREFIX; the key is the rank): a rank found
@@ -239,15 +239,14 @@ class Meeting:
 
     def _polls(self, timeout):
         """Yield the seconds waited so far, pausing between polls, until ``timeout``."""
-        started, pause = time.monotonic(), POLL_FIRST
-        most = POLL_MOST if self.rank == 0 else max(POLL_MOST, POLL_PER_WORKER * self.size)
+        started = time.monotonic()
+        pause = POLL_SECONDS if self.rank == 0 else max(POLL_SECONDS, POLL_PER_WORKER * self.size)
         while True:
             waited = time.monotonic() - started
             yield waited
             if waited > timeout:
                 return
             time.sleep(pause)
-            pause = min(pause * 2, most)
 
     def _missing(self, ranks):
         """``(missing, left, in_gloo)`` among ``ranks``: not there, gone to the driver, and
