@@ -26,13 +26,13 @@ def job_directories_under_pytests_temp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bed(request, tmp_path_factory):
     """The namespace cluster (tests/cluster/bed.py): 3 hosts (a module's ``BED_HOSTS`` where it
-    sets one), one per test module."""
+    sets one) and the launcher's own, one per test module."""
     import bed as cluster
     reason = cluster.missing()
     if reason:
         pytest.skip(reason)
     with cluster.Bed(getattr(request.module, "BED_HOSTS", 3), ssh_options=cluster.KEEPALIVE,
-                     root=str(tmp_path_factory.mktemp("bed"))) as made:
+                     launcher=True, root=str(tmp_path_factory.mktemp("bed"))) as made:
         yield made
 
 

@@ -1,7 +1,9 @@
-"""_runtime/watchdog.py without a cluster: the watchdog's decision at each poll (Judge), and
-its process beside a real stand-in worker over a key-value store like horovodrun's."""
+"""_runtime/watchdog.py without a cluster: the watchdog process beside a real stand-in worker,
+over a key-value store like horovodrun's, ending it on each kind of evidence
+(_runtime/liveness.py) and on none other."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -9,139 +11,133 @@ import time
 
 import pytest
 
-from hvd_adapt._runtime import watchdog
+from hvd_adapt._runtime import liveness
+from hvd_adapt._runtime.rendezvous import RESET_KEY, RESET_SCOPE
 from processes import alive
 from test_runtime_gloo import Store, store  # noqa: F401  (the store fixture)
-
-
-def observe(judge, t, answered=True, marker=False, step=0.0, resets=0, in_reset=0,
-            stopped=False):
-    return judge.observe(t, answered, marker, step, resets, in_reset, stopped)
-
-
-def test_a_stopped_worker_behind_its_peers_is_killed_at_once():
-    judge = watchdog.Judge(collective_timeout=5)
-    assert observe(judge, 0.0) is None                      # training: no marker
-    assert observe(judge, 1.0, stopped=True) is None        # stopped, peers not resetting
-    assert "stopped" in observe(judge, 2.0, marker=True, stopped=True)
-
-
-def test_a_running_worker_behind_its_peers_gets_the_grace():
-    judge = watchdog.Judge(collective_timeout=5, grace_floor=5)
-    assert judge.grace(0.5) == 10 and judge.grace(8) == 21
-    for t in range(10, 30):                                  # steps of 8 s: 21 s of grace
-        assert observe(judge, t, marker=True, step=8.0) is None
-    assert "did not follow within 21 s" in observe(judge, 31, marker=True, step=8.0)
-
-
-def test_a_worker_that_follows_its_peers_is_never_killed():
-    judge = watchdog.Judge(collective_timeout=5, grace_floor=5)
-    for t in range(0, 8):
-        assert observe(judge, t, marker=True) is None
-    # It reached its reset, and stopped there (waiting for the driver): never behind.
-    for t in range(8, 100):
-        assert observe(judge, t, marker=True, resets=1, in_reset=1, stopped=t > 50) is None
-    # Its reset done, a marker of the last world may still be read once (the poll raced
-    # the driver's clearing of the store); the grace restarts from there.
-    for t in range(100, 109):
-        assert observe(judge, t, marker=True, resets=1) is None
-    assert observe(judge, 109, marker=False, resets=1) is None
-    assert observe(judge, 110, marker=True, resets=1) is None
-
-
-def test_an_unreachable_server_ends_the_worker_after_the_bound():
-    judge = watchdog.Judge(collective_timeout=5, unreachable=10)
-    for t in range(0, 10):
-        assert observe(judge, t, answered=False) is None
-    assert observe(judge, 10.5, answered=True) is None       # back: the count restarts
-    for t in range(11, 21):
-        assert observe(judge, t, answered=False, marker=True, stopped=True) is None
-    assert "not answered for 10 s" in observe(judge, 21, answered=False)
-
-
-def test_the_step_time_is_a_slowly_decaying_maximum():
-    beacon = watchdog.Beacon(server=None)
-    beacon.last_step = time.monotonic() - 4
-    beacon.step_done()
-    step, resets, in_reset = watchdog.read_page(beacon.page)
-    assert step >= 4 and (resets, in_reset) == (0, 0)
-    beacon.step_done()                                       # one quick step
-    assert watchdog.read_page(beacon.page)[0] >= 0.9 * 4
-
-
-def test_a_worker_restoring_before_its_reset_is_not_behind():
-    beacon = watchdog.Beacon(server=None)
-    beacon.leaving_training()    # no marker of its own yet: that comes with the reset
-    assert watchdog.read_page(beacon.page)[2] == 1
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
-def test_a_bad_setting_is_named_in_the_worker(monkeypatch, value):
-    monkeypatch.setenv(watchdog.GRACE_VARIABLE, value)
-    with pytest.raises(ValueError, match=f"HVD_ADAPT_HANG_GRACE_SECONDS must be a number of "
-                                         f"seconds > 0, got '{value}'"):
-        watchdog.start(None, 5)
-
+from test_scheduling_sessions import silent_listener
 
 WORKER = textwrap.dedent("""
     import sys, time
-    from hvd_adapt._runtime import gloo, watchdog
-    beacon = watchdog.start(gloo.RendezvousServer(sys.argv[1], sys.argv[2]), 1)
-    if sys.argv[3] == "in_reset":
-        beacon.entering_reset()
-    print(beacon.process.pid, flush=True)
+    from hvd_adapt._runtime import watchdog
+    from hvd_adapt._runtime.rendezvous import RendezvousServer
+    beacon = watchdog.start()
+    if sys.argv[3] == "no_stdout":
+        print(beacon.process.pid, flush=True)
+        import os
+        os.close(1)
+    if sys.argv[3] == "not_elastic":
+        beacon.close()
+        print(beacon.process.pid, flush=True)
+        beacon.process.wait()
+        print("watchdog ended", beacon.process.returncode, flush=True)
+        time.sleep(600)
+    beacon.watch(RendezvousServer(sys.argv[1], sys.argv[2]))
+    if sys.argv[3] != "no_stdout":
+        print(beacon.process.pid, flush=True)
+    if sys.argv[3] == "wedged":
+        import ctypes
+        ctypes.PyDLL(None).sleep(600)   # holds the GIL, uses no CPU: a wedged interpreter
     time.sleep(600)
 """)
 
 
-def stand_in_worker(store, mode="training", **env):
-    """A process that starts its watchdog (Gloo timeout 1 s here) and sleeps; its pid and
-    its watchdog's."""
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, store.address, str(store.port), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **env))
+def stand_in_worker(address, port, mode="training"):
+    """A process that starts its watchdog and sleeps (its heartbeat beats) or wedges, its
+    standard output and error pipes to this test; it and its watchdog's pid."""
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, address, str(port), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
 
-def wait_for_end(proc, timeout=60):
+def ended(proc, timeout=60):
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        pytest.fail(f"the worker was not killed within {timeout} s: {proc.stderr.read()}")
-    return proc.returncode, proc.stderr.read()
+        pytest.fail(f"the worker was not ended within {timeout} s: {proc.stderr.read()}")
+    assert proc.returncode == -signal.SIGKILL
+    return proc.stderr.read()
 
 
-def test_the_watchdog_kills_a_stopped_worker_once_its_peers_reset(store):
-    proc, guard = stand_in_worker(store)
+def still_running(proc, polls=8):
+    """Whether ``proc`` is alive after ``polls`` of its watchdog."""
+    time.sleep(polls * liveness.POLL_SECONDS)
+    running = proc.poll() is None
+    proc.kill()
+    proc.wait()
+    return running
+
+
+def test_a_stopped_worker_is_ended_once_its_peers_reset(store):
+    proc, _ = stand_in_worker(store.address, store.port)
     os.kill(proc.pid, signal.SIGSTOP)
-    store.put(watchdog.RESET_SCOPE, watchdog.RESET_KEY, b"1")
-    code, err = wait_for_end(proc)
-    assert code == -signal.SIGKILL and "stopped while its peers reset" in err
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    assert "stopped (/proc state T) while its peers reset" in ended(proc)
 
 
-def test_the_watchdog_kills_a_running_worker_after_the_grace(store):
-    proc, guard = stand_in_worker(store, **{watchdog.GRACE_VARIABLE: "1"})
-    store.put(watchdog.RESET_SCOPE, watchdog.RESET_KEY, b"1")
-    code, err = wait_for_end(proc)
-    assert code == -signal.SIGKILL and "did not follow within 2 s" in err
+def test_a_wedged_worker_is_ended_once_its_peers_reset(store):
+    proc, _ = stand_in_worker(store.address, store.port, "wedged")
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    assert "its heartbeat has been silent for" in ended(proc)
 
 
-def test_the_watchdog_kills_its_worker_when_the_server_is_gone():
-    # A port nobody listens on: every request is refused, as from a cut-off host.
-    server = watchdog.RendezvousServer("127.0.0.1", 9)
-    proc, guard = stand_in_worker(server, **{watchdog.UNREACHABLE_VARIABLE: "2"})
-    code, err = wait_for_end(proc)
-    assert code == -signal.SIGKILL and "has not answered" in err
+def test_a_worker_that_beats_is_never_ended_while_its_peers_reset(store):
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    proc, _ = stand_in_worker(store.address, store.port)
+    assert still_running(proc, polls=2 * liveness.SILENT_SECONDS)
 
 
-def test_the_watchdog_dies_with_its_worker_and_spares_one_in_a_reset(store):
-    proc, guard = stand_in_worker(store, "in_reset", **{watchdog.GRACE_VARIABLE: "1"})
-    store.put(watchdog.RESET_SCOPE, watchdog.RESET_KEY, b"1")
-    os.kill(proc.pid, signal.SIGSTOP)    # waiting in its reset, stopped: not behind
-    time.sleep(4 * watchdog.POLL_SECONDS)
-    assert alive(proc.pid) and alive(guard)
+def test_a_worker_whose_launcher_does_not_answer_trains_on():
+    # A listener whose accept queue is full: connections hear nothing, as from a launcher
+    # whose link is down.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.9", 0))
+        port = probe.getsockname()[1]
+    sockets = silent_listener("127.0.0.9", port)
+    try:
+        proc, _ = stand_in_worker("127.0.0.9", port)
+        assert still_running(proc, polls=12)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_a_worker_whose_launcher_refuses_is_ended():
+    # A port nobody listens on: every connection is refused, as where horovodrun is gone.
+    proc, _ = stand_in_worker("127.0.0.1", 9)
+    assert "refused 2 connections in a row: horovodrun is gone" in ended(proc)
+
+
+def test_a_worker_whose_launcher_session_is_gone_is_ended(store):
+    proc, _ = stand_in_worker(store.address, store.port)
+    proc.stdout.close()     # as sshd's end of the pipe when horovodrun's ssh ends
+    assert "the launcher's session to it is gone (its standard output has no reader" in \
+        ended(proc)
+
+
+def test_a_worker_without_a_standard_output_is_watched_on_the_rest(store):
+    proc, _ = stand_in_worker(store.address, store.port, "no_stdout")
+    proc.stderr.close()     # its one stream with a reader loses it
+    try:
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_watchdog_told_nothing_to_watch_ends(store):
+    # A standby starts its watchdog before its hand-over; handed a launch that is not
+    # elastic, it closes the watchdog's socket.
+    proc, _ = stand_in_worker(store.address, store.port, "not_elastic")
+    assert proc.stdout.readline() == "watchdog ended 0\n"
+    proc.kill()
+    proc.wait()
+
+
+def test_the_watchdog_dies_with_its_worker(store):
+    proc, guard = stand_in_worker(store.address, store.port)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 30

@@ -1,7 +1,8 @@
-"""hvd-adapt-discover ends the sessions of a host that stopped answering, under Horovod's
-real safe_shell_exec (hvd_adapt/scheduling/sessions.py): a small "driver" runs one command
-per host as Horovod does (a middleman in a session of its own; the command's program named
-``ssh``, the host an argument) and then runs the discovery through the same helper."""
+"""hvd-adapt-discover ends the sessions of a host the job lost (silent while its peers reset),
+under Horovod's real safe_shell_exec (hvd_adapt/scheduling/sessions.py): a small "driver"
+runs one command per host as Horovod does (a middleman in a session of its own; the
+command's program named ``ssh``, the host an argument, the job's rendezvous server named as
+horovodrun names it) and then runs the discovery through the same helper."""
 import json
 import os
 import socket
@@ -10,7 +11,9 @@ import sys
 
 import pytest
 
+from hvd_adapt._runtime.rendezvous import RESET_KEY, RESET_SCOPE
 from hvd_adapt.scheduling import sessions
+from test_runtime_gloo import Store, store  # noqa: F401  (the store fixture)
 
 # The driver: a session per host (argv "<program> -c <sleep> <host>", a sleeping Python),
 # then the discovery four times, as Horovod's driver polls; it prints each session's exit code (None: still
@@ -21,7 +24,8 @@ from horovod.runner.common.util import safe_shell_exec
 codes = {}
 def session(host, program):
     codes[host] = safe_shell_exec.execute(
-        f"bash -c 'exec -a {program} {sys.executable} -c \"import time; time.sleep(60)\" {host}'")
+        f"bash -c 'exec -a {program} {sys.executable} -c \"import time; time.sleep(60)\" {host} "
+        f"{sys.argv[3]}'")
 hosts = json.loads(sys.argv[2])
 for host, program in hosts.items():
     threading.Thread(target=session, args=(host, program), daemon=True).start()
@@ -46,14 +50,21 @@ def silent_listener(address, port):
     return [filler, server]
 
 
-def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
+@pytest.mark.parametrize("peers_reset", [True, False], ids=["peers_reset", "launcher_cut_off"])
+def test_only_the_sessions_of_a_host_the_job_lost_are_ended(tmp_path, store, peers_reset):
     # 127.0.0.2 accepts on the port. 127.0.0.5 says nothing (a full accept queue), as a
     # host cut off: it is lost. 127.0.0.4 accepts but the base no longer lists it (a
     # scheduler's graceful removal): its session stays. 127.0.0.3 refuses (up, its sshd
     # restarting): its session stays. 127.0.0.6 is silent too but its command is no ssh.
     # 127.0.0.7 accepts and is new: it is not offered while 127.0.0.5 is judged and for a
     # while after its sessions were ended (the offer stays as it is until the next world
-    # has formed: Horovod's driver would notify rank 0, perhaps on the lost host).
+    # has formed: Horovod's driver would notify rank 0, perhaps on the lost host). Without
+    # the peers' reset marker on the rendezvous server, 127.0.0.5's silence is the launcher's
+    # own link down: its session stays.
+    if peers_reset:
+        store.put(RESET_SCOPE, RESET_KEY, b"1")
+    named = (f"HOROVOD_GLOO_RENDEZVOUS_ADDR={store.address} "
+             f"HOROVOD_GLOO_RENDEZVOUS_PORT={store.port} HOROVOD_CONTROLLER=gloo")
     with socket.socket() as listener, socket.socket() as other, socket.socket() as new:
         listener.bind(("127.0.0.2", 0))
         listener.listen(16)
@@ -72,19 +83,24 @@ def test_only_the_sessions_of_a_host_that_stopped_answering_are_ended(tmp_path):
             hosts = {"127.0.0.2": "ssh", "127.0.0.5": "ssh", "127.0.0.4": "ssh",
                      "127.0.0.3": "ssh", "127.0.0.6": "worker"}
             out = subprocess.run(
-                [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts)],
+                [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts), named],
                 capture_output=True, text=True, timeout=120,
                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
         finally:
             for sock in silent:
                 sock.close()
     codes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert codes["127.0.0.5"] not in (None, 0), out     # ended: the driver sees a failure
     assert codes["127.0.0.2"] is None and codes["127.0.0.4"] is None, out
     assert codes["127.0.0.3"] is None and codes["127.0.0.6"] is None, out
-    assert out.stderr.count("ending the job's 1 session(s)") == 1, out.stderr
-    assert "127.0.0.5 has said nothing" in out.stderr, out.stderr
     assert "127.0.0.5 said nothing: keeping the current offer" in out.stderr, out.stderr
+    if peers_reset:
+        assert codes["127.0.0.5"] not in (None, 0), out     # ended: the driver sees a failure
+        assert out.stderr.count("ending the job's 1 session(s)") == 1, out.stderr
+        assert "while the job's workers reset without it" in out.stderr, out.stderr
+    else:
+        assert codes["127.0.0.5"] is None, out
+        assert "ending the job's" not in out.stderr, out.stderr
+        assert out.stderr.count("127.0.0.5 says nothing on port") == 1, out.stderr
     assert "127.0.0.7" not in out.stderr, out.stderr          # never offered meanwhile
 
 

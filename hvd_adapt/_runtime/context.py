@@ -25,7 +25,8 @@ class RuntimeContext:
         #: loaders): a worker joining a job syncs them only if the State carries them.
         self.collective_objects = weakref.WeakSet()
         #: The :class:`~hvd_adapt._runtime.watchdog.Beacon` this worker writes for its
-        #: watchdog (an elastic Gloo worker), or None.
+        #: watchdog (an elastic Gloo worker), or None: held here for the worker's life (its
+        #: heartbeat thread beats while the Beacon lives).
         self.watchdog = None
         #: True while ``hvd_adapt.run`` runs the training function.
         self.in_run = False

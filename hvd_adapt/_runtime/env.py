@@ -12,11 +12,12 @@ import os
 import horovod.torch as hvd
 import torch
 
-from .handover import wait_for_handover
+from .handover import ENV_FD as STANDBY_FD, wait_for_handover
 from .blas import cap_loaded_scipy_blas
 from . import watchdog
 from .context import CONTEXT
-from .gloo import RendezvousServer, collective_timeout, init_world
+from .gloo import init_world
+from .rendezvous import RendezvousServer
 from .threads import share_cpu_threads
 
 
@@ -25,14 +26,14 @@ def init(comm=None):
 
     ``comm`` is passed to ``hvd.init``: an mpi4py communicator (or a list of
     ranks) to run this job on a subset of an ``mpirun`` world. In an elastic
-    job, the workers of a world first wait for each other to start (up to
-    ``HVD_ADAPT_START_TIMEOUT_SECONDS``, 60 s), then Gloo waits 5 s for a
-    peer's message (``COLLECTIVE_TIMEOUT_SECONDS``, unless
-    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` or ``horovodrun --gloo-timeout-seconds``
-    says otherwise): a dead or stopped peer costs seconds, a worker slow to
-    start costs nothing (see ``_runtime/gloo.py``). There, a watchdog process
-    beside the worker kills it when it hangs while its peers reset, or when
-    its host is cut off from the job (see ``_runtime/watchdog.py``). Afterwards
+    job, the workers of a world first meet (a world short of a worker asks
+    Horovod's driver for the next), then Gloo waits 5 s for a peer's message
+    (``COLLECTIVE_TIMEOUT_SECONDS``, unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` or
+    ``horovodrun --gloo-timeout-seconds`` says otherwise): a dead or stopped
+    peer costs seconds, a worker slow to start costs nothing (see
+    ``_runtime/gloo.py``). There, a watchdog process beside the worker ends it
+    on evidence that it cannot go on: stopped or wedged while its peers reset,
+    or its launcher gone (see ``_runtime/liveness.py``). Afterwards
     torch's CPU threads are shared among the node's replicas (see
     ``_runtime/threads.py``) and, where CUDA is available, the replica's
     device is ``cuda:local_rank``, as Horovod's examples set it. In a standby
@@ -47,6 +48,9 @@ def init(comm=None):
     """
     if initialized():
         return
+    # A standby starts its watchdog before its hand-over, so that a warm join waits for no
+    # process to start (watchdog.py).
+    beacon = watchdog.start() if STANDBY_FD in os.environ or is_elastic() else None
     # A standby worker (hvd-adapt-worker --standby) waits here, booted, for the
     # slot and environment of the launch that takes it over.
     wait_for_handover()
@@ -55,14 +59,16 @@ def init(comm=None):
         cap_loaded_scipy_blas()
     elastic = is_elastic()
     server = RendezvousServer.from_environment() if elastic else None
-    if server is not None:
-        # Before the meeting, which a worker that hangs in it or whose host is cut off
-        # may never leave (see watchdog.py).
-        CONTEXT.watchdog = watchdog.start(server, collective_timeout())
+    if beacon is not None and server is None:
+        beacon.close()
+    elif beacon is not None:
+        # Before the meeting, which a worker that hangs in it would never leave.
+        beacon.watch(server)
+        CONTEXT.watchdog = beacon
     # Refuses a host whose name resolves to loopback, and meets the world; Gloo's
     # timeout is short in an elastic world, since the meeting lets no worker into its
     # rendezvous before all have started (gloo.py).
-    init_world(lambda: hvd.init(comm=comm), short_timeout=elastic)
+    init_world(lambda: hvd.init(comm=comm), elastic=elastic)
     share_cpu_threads(hvd.local_size(), hvd.local_rank())
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())

@@ -308,8 +308,6 @@ class AdaptiveDataLoader(Participant):
                 yield batch
                 if not controller.is_optim_step():
                     continue
-                if CONTEXT.watchdog is not None:
-                    CONTEXT.watchdog.step_done()    # its step time: the hang grace
                 # A decision due after a pass's last step is made before the next pass's first.
                 controller.optim_step_done()
                 if by_progress and controller.epoch_ends(self.sampler.num_samples,

@@ -26,16 +26,11 @@ from .._runtime.gloo import init_world
 
 def _reset():
     """Horovod's reset (``horovod.torch.elastic._reset``: shutdown, init), except that
-    the new world's workers meet before Gloo's rendezvous (see ``_runtime/gloo.py``),
-    and that the watchdogs learn of it (``_runtime/watchdog.py``): a peer that does not
-    follow is hung."""
-    beacon = CONTEXT.watchdog
-    if beacon is not None:
-        beacon.entering_reset()
+    the new world's workers meet before Gloo's rendezvous, and that the peers' watchdogs
+    learn of it (see ``_runtime/gloo.py``)."""
+    last_rank = hvd.rank()
     hvd.shutdown()
-    init_world(hvd.init, reset=True)
-    if beacon is not None:
-        beacon.reset_done()
+    init_world(hvd.init, reset=True, last_rank=last_rank)
 
 
 def run(func):
@@ -59,11 +54,7 @@ def run(func):
             state.resync_after_reset()
             result = func(state, *args, **kwargs)
         except (HorovodInternalError, HostsUpdatedInterrupt):
-            # Its restore comes next, then the reset: however long the restore takes,
-            # this worker is on its way into the reset, not behind its peers.
-            if CONTEXT.watchdog is not None:
-                CONTEXT.watchdog.leaving_training()
-            raise
+            raise       # a reset: Horovod's run_fn restores and meets again
         except BaseException as error:
             # The script's own end (its error, sys.exit, a drain's 143): said for
             # hvd-adapt-run, which must not relaunch it (_runtime/script_end.py).

@@ -55,7 +55,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .._runtime.private_files import UnsafePathError, check_owned
+from .._runtime.private_files import check_owned
 from .allocation import JobView, SplitSettings, split
 from .arbiter_files import (ArbiterFileError, FORMAT_VERSION, arbiter_folder,
                             process_namespace, read_json, read_report, report_keys, report_path,

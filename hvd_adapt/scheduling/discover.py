@@ -29,15 +29,19 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    flight), for ``--hold`` seconds after a resize (the new world's first
    steps are slow), and while the hints are older than ``--stale-after``
    seconds;
-4. under Horovod's driver, ends the job's ssh sessions to a host that has
-   said nothing (no connection, no refusal) to every probe for
+4. under Horovod's driver, ends the job's ssh sessions to a host the job
+   lost: it has said nothing (no connection, no refusal) to every probe for
    ``--lost-after`` seconds (2 probes at least, each missed one probed
-   again for 1.5 s): Horovod's driver waits for a lost worker's session to
-   end before it forms the next world, and a host cut off silently never
-   ends it (:mod:`.sessions`). Meanwhile, and for 6 s after, the offer
-   stays as it is (``FREEZE_AFTER_END``). A host that answers, or refuses
-   (it is up: its sshd restarting), keeps its sessions, listed or not: a
-   host the base drops while it answers leaves gracefully, as below;
+   again for 1.5 s) while the job's workers reset without it (their marker
+   on the rendezvous server) and another of its hosts answers: Horovod's
+   driver waits for a lost worker's session to end before it forms the next
+   world, and a host cut off silently never ends it (:mod:`.sessions`).
+   Meanwhile, and for 6 s after, the offer stays as it is
+   (``FREEZE_AFTER_END``). A host that is silent while nobody resets, or
+   while every host is, keeps its sessions (the launcher's own link is down,
+   and its workers still train together), as does one that answers, or
+   refuses (it is up: its sshd restarting), listed or not: a host the base
+   drops while it answers leaves gracefully, as below;
 5. clamps to ``--min-np``/``--max-np`` and remembers what it offered in a
    small state file (``--state``; by default in this user's private runtime
    folder), for the next run.
@@ -146,29 +150,39 @@ def probe_hosts(args, hosts, second_chance):
             {host for host, value in said.items() if value is None})
 
 
-def end_lost_sessions(args, live, silent, unanswered, ended_at, now):
-    """End the driver's sessions (``live``: ``{host: pids}``) to each host that has said
-    nothing (``silent``: no connection, no refusal) to every probe for ``--lost-after``
-    seconds and at least ``LOST_PROBES`` probes (:mod:`.sessions` says why), noting when
-    in ``ended_at``; the ``{host: [first missed at, probes missed]}`` to remember for the
-    hosts still being judged. A host that refuses is up (its sshd restarting, say): its
-    sessions may be fine, and a crashed host's own kernel ends them."""
-    from .sessions import end
-    judged = {}
+def end_lost_sessions(args, live, silent, unanswered, ended_at, now, problems):
+    """End the driver's sessions (``live``: ``{host: pids}``) to each host the job lost:
+    it has said nothing (``silent``: no connection, no refusal) to every probe for
+    ``--lost-after`` seconds and at least ``LOST_PROBES`` probes, and the job's workers
+    reset without it (``_runtime/liveness.py``'s ``host_lost``; :mod:`.sessions` says
+    why), noting when in ``ended_at``; the ``{host: [first missed at, probes missed]}`` to
+    remember for the hosts still being judged. A host that is silent while nobody resets
+    keeps its sessions (the launcher's own link is down; a line in ``problems`` says so),
+    and so does a host that refuses (it is up, its sshd restarting, say: its sessions may
+    be fine, and a crashed host's own kernel ends them)."""
+    from .._runtime.liveness import host_lost
+    from .sessions import end, peers_reset
+    judged, reset = {}, None
     for host, pids in live.items():
         if host not in silent:
             continue
         first, missed = unanswered.get(host, [now, 0])
         missed += 1
-        if missed >= LOST_PROBES and now - first >= args.lost_after:
+        if reset is None and missed >= LOST_PROBES and now - first >= args.lost_after:
+            reset = peers_reset([pid for each in live.values() for pid in each])
+        lost, reason = host_lost(host, now - first, missed, args.lost_after, LOST_PROBES,
+                                 reset, any(other not in silent for other in live),
+                                 args.ssh_port)
+        if lost:
             ended = end(pids)
             ended_at[host] = now
-            sys.stderr.write(
-                f"hvd-adapt-discover: {host} has said nothing on port {args.ssh_port} for "
-                f"{now - first:.1f} s ({missed} probes): ending the job's {len(ended)} "
-                f"session(s) to it, so that Horovod's driver counts its workers as failed\n")
-        else:
-            judged[host] = [first, missed]
+            sys.stderr.write(f"hvd-adapt-discover: {reason}: ending the job's {len(ended)} "
+                             "session(s) to it, so that Horovod's driver counts its workers "
+                             "as failed\n")
+            continue
+        if reason:
+            problems.append(reason)
+        judged[host] = [first, missed]
     return judged
 
 
@@ -285,7 +299,8 @@ def discover(args, now=None):
                                     list(state.hosts) + list(live))
     ended_at = {host: at for host, at in state.ended.items()
                 if 0 <= now - at < FREEZE_AFTER_END}
-    unanswered = end_lost_sessions(args, live, silent, state.unanswered, ended_at, now)
+    unanswered = end_lost_sessions(args, live, silent, state.unanswered, ended_at, now,
+                                   problems)
     # What every run remembers, whatever it answers.
     state = dataclasses.replace(state, watch=sorted(live), unanswered=unanswered,
                                 ended=ended_at, keepalive_checked=True)

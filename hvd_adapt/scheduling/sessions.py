@@ -1,5 +1,5 @@
 """The elastic driver's remote sessions to each host, found among its processes and ended
-for a host that stopped answering; and whether ssh has a keepalive.
+for a host that the job lost; and whether ssh has a keepalive.
 
 **The Horovod behaviour worked around** (0.28.1, horovod/runner/elastic/driver.py
 and registration.py): after a failure the driver forms the next world only once
@@ -37,6 +37,8 @@ import re
 import shutil
 import signal
 import subprocess
+
+from .._runtime.rendezvous import ANSWERED, RESET_KEY, RESET_SCOPE, RendezvousServer
 
 # The programs that carry a worker's command to its host: Horovod's ssh command
 # (runner/util/remote.py), or kubectl under the MPI Operator's kubexec.sh.
@@ -193,6 +195,33 @@ def commands(driver):
         else:
             found.setdefault(host, []).extend(members)
     return found, launching
+
+
+# horovodrun names its rendezvous server in every worker's command (gloo_run.get_run_command).
+_SERVER_ADDRESS = re.compile(r"HOROVOD_GLOO_RENDEZVOUS_ADDR=([0-9A-Za-z.:_-]+)")
+_SERVER_PORT = re.compile(r"HOROVOD_GLOO_RENDEZVOUS_PORT=(\d+)")
+
+
+def rendezvous_server(pids):
+    """The job's rendezvous server, as the command one of these sessions carries names it
+    (a :class:`~hvd_adapt._runtime.rendezvous.RendezvousServer`), or None."""
+    for pid in pids:
+        command = " ".join(_argv(pid))
+        address, port = _SERVER_ADDRESS.search(command), _SERVER_PORT.search(command)
+        if address and port:
+            return RendezvousServer(address.group(1), port.group(1))
+    return None
+
+
+def peers_reset(pids, timeout=1.0):
+    """Whether the workers of the job these sessions belong to have reset (hvd_adapt's reset
+    marker is on its rendezvous server); False where no server is named or it does not
+    answer within ``timeout`` s."""
+    server = rendezvous_server(pids)
+    if server is None:
+        return False
+    reached, status, _ = server.reach("GET", f"/{RESET_SCOPE}/{RESET_KEY}", timeout=timeout)
+    return reached == ANSWERED and status == 200
 
 
 def end(pids):

@@ -1,9 +1,10 @@
 """A small cluster on this machine: N network namespaces on a bridge, an sshd per host.
 
-    with Bed(3) as bed:                       # hosts h1, h2, h3
+    with Bed(3, launcher=True) as bed:        # hosts h1, h2, h3, and h0 for the launcher
         bed.run("h1", ["hostname"])           # a command on h1 (its net, mount, UTS namespaces)
         bed.crash("h3")                       # every process of h3 killed, sshd included
         bed.cut("h3"); bed.heal("h3")         # its link down silently (no RST), and back
+        bed.cut("h0")                         # the launcher cut off; the workers still meet
 
 Each host is a network namespace with one interface, ``eth0``, on a bridge
 the bed creates (10.236.X.0/24, no address on the machine's side, no route
@@ -102,18 +103,22 @@ class Host:
 
 
 class Bed:
-    def __init__(self, hosts=3, ssh_options=None, loopback_name=(), root=None):
-        """``hosts`` hosts h1..hN; ``ssh_options``: extra client settings for every host
-        (e.g. :data:`KEEPALIVE`); ``loopback_name``: hosts whose own name resolves to
-        127.0.1.1 in their hosts file; ``root``: where the bed's folder goes (default: a
-        new private temporary folder)."""
+    def __init__(self, hosts=3, ssh_options=None, loopback_name=(), root=None, launcher=False):
+        """``hosts`` hosts h1..hN; ``launcher``: and h0, a host of the launcher's own (as a
+        cluster's login node: cut it off and the workers still reach each other);
+        ``ssh_options``: extra client settings for every host (e.g. :data:`KEEPALIVE`);
+        ``loopback_name``: hosts whose own name resolves to 127.0.1.1 in their hosts file;
+        ``root``: where the bed's folder goes (default: a new private temporary folder)."""
         self.tag = "%06x" % random.randrange(16 ** 6)
         self.prefix = f"10.236.{random.randrange(1, 255)}"
         self.bridge = f"hb{self.tag}br"
         self.dir = tempfile.mkdtemp(prefix=f"hvdbed{self.tag}-", dir=root)
         self.home = os.path.join(self.dir, "home")
         self.local = os.path.join(self.dir, "local")
-        self.hosts = {h.name: h for h in (Host(self, i) for i in range(1, hosts + 1))}
+        self.hosts = {h.name: h for h in (Host(self, i) for i in range(0 if launcher else 1,
+                                                                       hosts + 1))}
+        #: Where faults.py runs horovodrun: h0 where the bed has it, else h1.
+        self.launcher = "h0" if launcher else "h1"
         self.ssh_options = dict(ssh_options or {})
         self.loopback_name = set(loopback_name)
         self._made = []                        # undo steps, run in reverse by close()

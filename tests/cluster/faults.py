@@ -2,8 +2,9 @@
 
 :func:`run_fault` starts tests/distributed/workers/elastic_train.py (AdamW
 with weight decay, bf16 autocast with a GradScaler, autoscaling with
-gradient accumulation) under elastic ``horovodrun`` on h1, over real ssh to
-h1, h2 and h3 (``--network-interface eth0``), with a discovery script that
+gradient accumulation) under elastic ``horovodrun`` on the bed's launcher host
+(h0 where it has one, else h1), over real ssh to h1, h2 and h3
+(``--network-interface eth0``), with a discovery script that
 prints the lines of the job folder's ``hosts`` file. Once rank 0 has
 committed ``at_step`` steps, ``inject(bed, job)`` injects the fault; the job
 then has ``after_fault`` seconds to finish its epochs (about 15 s of
@@ -24,16 +25,19 @@ TESTS = os.path.dirname(HERE)
 sys.path[:0] = [os.path.join(TESTS, "distributed"), TESTS]
 
 from launch import WORKERS, launch_env  # noqa: E402
-from training_logs import read_logs  # noqa: E402
+from processes import alive  # noqa: E402
+from training_logs import read_attempts, read_logs  # noqa: E402
 
 FAST_HOROVODRUN = os.path.join(TESTS, "hvdrun_fast_discovery.py")
 SAMPLES = 96
 ALL = ["h1:1", "h2:1", "h3:1"]
+WORKER_HOSTS = ("h1", "h2", "h3")
 
 
 class FaultJob:
     def __init__(self, out_dir):
         self.out_dir = out_dir
+        self.process = None            # horovodrun's Popen
         self.returncode = None
         self.output = ""
         self.fault_time = None
@@ -109,8 +113,9 @@ def run_fault(bed, out_dir, inject, at_step=6, after_fault=45, epochs=3, hosts=A
     log_path = os.path.join(out_dir, "output.log")
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = bed.popen("h1", command, cwd=out_dir, env=launch_env(out_dir, env),
-                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = job.process = bed.popen(bed.launcher, command, cwd=out_dir,
+                                       env=launch_env(out_dir, env), stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while job.progress() < at_step and proc.poll() is None \
                     and time.monotonic() - started < start_timeout:
@@ -162,29 +167,78 @@ def wait_for_commit(job, size, since, timeout):
 
 
 def partition_then_heal(bed, job, trained_on=45, ends_itself=40):
-    """Cut h3; once the survivors have committed at 2 (within ``trained_on`` s), wait for
-    h3's old worker to end itself (its watchdog, hvd_adapt/_runtime/watchdog.py: the
-    rendezvous server silent for HVD_ADAPT_UNREACHABLE_SECONDS, 10 s) and heal the link:
-    h3 answers again and rejoins with a fresh worker. A worker left alive would answer for
-    h3's slot in the next world. ``job.heal_time`` is when the link came back (None where
-    the survivors never trained on); ``job.ended_itself`` whether the old worker was gone
-    within ``ends_itself`` s of the survivors' commit (it is killed then, so the job goes
-    on, and the test fails on it)."""
+    """Cut h3; once the survivors have committed at 2 (within ``trained_on`` s), heal the
+    link: h3's old worker, which waited for the launcher in its reset, ends itself on what
+    it finds then (the world it trained in is gone from the rendezvous server, or its ssh
+    session is: hvd_adapt/_runtime/liveness.py), and h3 rejoins with a fresh worker. A
+    worker left alive would answer for h3's slot in the next world. ``job.heal_time`` is
+    when the link came back (None where the survivors never trained on);
+    ``job.ended_itself`` whether the old worker was gone within ``ends_itself`` s of the
+    heal (it is killed then, so the job goes on, and the test fails on it)."""
     job.heal_time, job.ended_itself = None, None
+    old = worker_pid(bed, "h3")
     bed.cut("h3")
     if wait_for_commit(job, 2, job.fault_time, trained_on):
-        deadline = time.monotonic() + ends_itself
-        while _python_workers(bed, "h3") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _python_workers(bed, "h3")
-        job.ended_itself = not left
-        for pid in left:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
         job.heal_time = time.time()
         bed.heal("h3")
+        deadline = time.monotonic() + ends_itself
+        while alive(old) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job.ended_itself = not alive(old)
+        if not job.ended_itself:
+            try:
+                os.kill(old, 9)
+            except ProcessLookupError:
+                pass
+
+
+def launcher_cut_off(bed, job, outages=(12, 30), trained_on=60):
+    """Cut the launcher's host off (its link down, no reset: the workers still reach each
+    other) for each of ``outages`` seconds in turn, healing it after each and waiting (up
+    to ``trained_on`` s) for a commit after the heal. ``job.outages``: ``[(cut, healed)]``
+    times."""
+    job.outages = []
+    for seconds in outages:
+        cut = time.time()
+        bed.cut(bed.launcher)
+        time.sleep(seconds)
+        bed.heal(bed.launcher)
+        job.outages.append((cut, time.time()))
+        wait_for_commit(job, 3, job.outages[-1][1], trained_on)
+
+
+def kill_launcher(bed, job, ends=60):
+    """SIGKILL horovodrun, and wait up to ``ends`` s for every worker on h1..h3 to end.
+    ``job.killed_at``: when; ``job.left``: the workers still there after that (killed
+    then); ``job.ended_after``: seconds until the last one ended (None where some were
+    left)."""
+    job.killed_at = time.time()
+    job.process.kill()
+    deadline = time.monotonic() + ends
+    while time.monotonic() < deadline and any(_python_workers(bed, h) for h in WORKER_HOSTS):
+        time.sleep(0.1)
+    job.left = [pid for host in WORKER_HOSTS for pid in _python_workers(bed, host)]
+    job.ended_after = None if job.left else time.time() - job.killed_at
+
+
+def solo_work_then_crash(bed, job, into=5, started=60):
+    """Once rank 0 has started working alone (``--solo-work``, within ``started`` s), crash
+    the host of the world's last rank ``into`` seconds later (Horovod's driver orders new
+    hosts as a set does: rank 0 need not be on h1); discovery still lists it.
+    ``job.crash_time``: when (None where the solo work never started); ``job.crashed``: the
+    host."""
+    job.crash_time, job.crashed = None, None
+    deadline = time.monotonic() + started
+    while not os.path.exists(os.path.join(job.out_dir, "solo_started")):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    time.sleep(into)
+    attempts = [entry for entries in read_attempts(job.out_dir).values() for entry in entries]
+    job.crashed = max((entry for entry in attempts if entry["rank"] == entry["size"] - 1),
+                      key=lambda entry: entry["time"])["host"]
+    job.crash_time = time.time()
+    bed.crash(job.crashed)
 
 
 def _python_workers(bed, host):

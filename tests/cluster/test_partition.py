@@ -21,7 +21,7 @@ def bed(tmp_path_factory):
     reason = cluster.missing()
     if reason:
         pytest.skip(reason)
-    with cluster.Bed(3, root=str(tmp_path_factory.mktemp("bed"))) as made:
+    with cluster.Bed(3, launcher=True, root=str(tmp_path_factory.mktemp("bed"))) as made:
         assert "ServerAliveInterval" not in made.ssh_options
         yield made
 
@@ -49,9 +49,10 @@ def test_survivors_train_on_after_a_silent_partition(bed, job_dir, fault):
 
 
 def test_a_healed_host_rejoins(bed, job_dir):
-    """Cut h3, the survivors train at 2, h3's cut-off worker ends itself (its watchdog),
-    heal: h3 answers again, rejoins with a fresh worker, and the job trains at 3 to its
-    end; every sample once per epoch throughout, replicas identical."""
+    """Cut h3, the survivors train at 2, heal: h3's cut-off worker, which waited for the
+    launcher, ends itself on what it finds (the world it trained in is gone), h3 answers
+    again, rejoins with a fresh worker, and the job trains at 3 to its end; every sample
+    once per epoch throughout, replicas identical."""
     job = faults.run_fault(bed, job_dir, faults.partition_then_heal, epochs=14,
                            after_fault=120, wrapped_discovery=True, launcher_args=COOLDOWN)
     try:

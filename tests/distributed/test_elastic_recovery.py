@@ -139,18 +139,18 @@ def test_optimizer_state_on_disk_through_resizes_and_kills(schedule, np, kill, t
 def test_a_slow_but_healthy_worker_is_not_killed_by_its_watchdog():
     """localhost's second worker waits 8 s before every batch (a slow data loader) and
     127.0.0.1 dies at step 2. The fast survivor resets within Gloo's timeout (3 s here),
-    the slow one once its wait ends, 5 s or more later: longer than its watchdog's floor
-    grace here (Gloo's timeout + HVD_ADAPT_HANG_GRACE_SECONDS 1 s), within twice its step
-    time on top. It trains on in the world of two."""
+    the slow one once its wait ends, 5 s or more later; its heartbeat beats meanwhile, so
+    its watchdog leaves it alone (_runtime/liveness.py). It trains on in the world of
+    two."""
     schedule = [(0, ["localhost:2", "127.0.0.1:1"])]
     args = RECIPE + ["--samples", "16", "--epochs", "2", "--kill-step", "2",
                      "--kill-host", "127.0.0.1", "--slow-batches", "localhost:1:8"]
     job, commits, epochs = run_elastic(
         schedule, np=3, min_np=2, max_np=3, worker_args=args,
         launcher_args=["--blacklist-cooldown-range", 60, 61],
-        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "3", "HVD_ADAPT_HANG_GRACE_SECONDS": "1"})
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "3"})
     job.check()
-    assert "killing the worker" not in job.output, job.output[-3000:]
+    assert "ending the worker" not in job.output, job.output[-3000:]
     check_exactly_once(commits, epochs, 2, samples=16)
     check_identical_replicas(commits)
     slow = [name.split(".")[1] for name in os.listdir(job.out_dir) if name.startswith("slow.")]

@@ -171,6 +171,10 @@ def main():
                         help="HOST:LOCAL_RANK:SECONDS: the worker started in that slot waits "
                              "this long at the start of every batch, before any collective "
                              "(a slow data loader): slow, but healthy")
+    parser.add_argument("--solo-work", type=json.loads, default=None,
+                        help="[STEP, SECONDS]: once, at that step, rank 0 computes alone for "
+                             "that long before its next collective (an evaluation on rank 0), "
+                             "writing the files solo_started and solo_done")
     parser.add_argument("--slow-join", type=float, default=0.0,
                         help="a worker started after the job committed once sleeps this long "
                              "before init(), as on a cluster (ssh, container, imports)")
@@ -345,6 +349,8 @@ def main():
                     open(folder, "w").close()
             for x, idx in loader:
                 time.sleep(slow_seconds)
+                if args.solo_work and hvd.rank() == 0 and state.step == args.solo_work[0]:
+                    work_alone(args.solo_work[1])
                 if state.step == args.kill_step and host == args.kill_host:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if state.step == args.kill_all_at_step and RESTARTS == 0:
@@ -449,6 +455,19 @@ def accelerator(lock_path):
 def kills_fired():
     return len([name for name in os.listdir(os.path.dirname(out_path("x")))
                 if name.startswith("killed.")])
+
+
+def work_alone(seconds):
+    """Compute for ``seconds`` with no collective (rank 0's evaluation), once per job."""
+    try:
+        os.close(os.open(out_path("solo_started"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    a = torch.randn(256, 256)
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        a = torch.tanh(a @ a.T / 256)
+    append_line("solo_done", {"pid": os.getpid(), "time": time.time()})
 
 
 def kill_once(limit, kind):
