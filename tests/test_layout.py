@@ -273,3 +273,19 @@ def test_the_disk_swap_stays_small_in_readable_units():
                 long.append(f"swap/{name}: {node.name} has {lines} lines (at most {limit})")
     assert total <= SWAP_LINES, f"hvd_adapt/swap/ has {total} lines (at most {SWAP_LINES})"
     assert not long, long
+
+
+def test_every_package_docstring_names_its_modules():
+    """A reader opening a package's ``__init__`` finds each of its modules named there."""
+    missing = []
+    for package in sorted(os.listdir(PACKAGE)):
+        init = os.path.join(PACKAGE, package, "__init__.py")
+        if not os.path.exists(init):
+            continue
+        with open(init) as f:
+            docstring = ast.get_docstring(ast.parse(f.read())) or ""
+        for name in sorted(os.listdir(os.path.dirname(init))):
+            module = name[:-3]
+            if name.endswith(".py") and module != "__init__" and f".{module}`" not in docstring:
+                missing.append(f"{package}/{name}")
+    assert not missing, missing

@@ -1,2 +1,3 @@
-"""Goodput autoscaling: the step-time profile, the policy that picks a batch size,
-and the controller a loader and an optimizer share (see each module)."""
+"""Goodput autoscaling: :mod:`.profile` (the step-time profile), :mod:`.policy` (the
+policy that picks a batch size), :mod:`.memory` (the largest atomic batch that fits) and
+:mod:`.controller` (what a loader and an optimizer share)."""

@@ -1,2 +1,3 @@
-"""Elastic data: the sampler that partitions each epoch over the current replicas,
-and the loader that plans and iterates each replica's batches."""
+"""Elastic data: :mod:`.sampler` (each epoch partitioned over the current replicas),
+:mod:`.loader` (each replica's batches planned and iterated) and :mod:`.tensorboard`
+(the loader's optional export)."""

@@ -19,9 +19,7 @@ them. The State adds what Horovod's lacks:
   restart resumes from the newest any rank can read.
 """
 import gc
-import io
 import logging
-import os
 import pickle
 import weakref
 
@@ -34,12 +32,13 @@ from .._runtime import collective, env
 from .._runtime import horovod_internals as internals
 from .._runtime.context import CONTEXT
 from .._runtime.threads import share_cpu_threads
-from . import agreement, checkpoint
+from . import agreement
 from .commit_copies import FORWARD, STEP, CommitCopies
 from .drain import Drain
 from .epoch import EpochCounter, check_epoch
 from .handlers import ModelHandler, handler_for, snapshot
 from .participant import Participant
+from .state_checkpoints import StateCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +138,7 @@ class State(TorchState):
         self._holds_job = False        # passed a sync: carries the running job's state
         self._skip_next_sync = False   # load_checkpoint synced the world already
         self._drain = None
-        self._checkpoint_writer = checkpoint.CheckpointWriter()
-        self._written = None           # (path, generation) this process wrote last
+        self._checkpoints = StateCheckpoints(self, self._participants)
         self.register_reset_callbacks([self._after_reset])
         CONTEXT.state = self
         if env.initialized():
@@ -207,11 +205,11 @@ class State(TorchState):
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
         self._save(defer=True)
-        failure = self._checkpoint_writer.failure() if env.rank() == 0 else None
+        failure = self._checkpoints.failure()
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
                                self._host_updates())
         if votes.checkpoint_failed:
-            self._fail_together_on_a_checkpoint_error("hvd_adapt.commit.checkpoint_failed")
+            self._checkpoints.fail_together("hvd_adapt.commit.checkpoint_failed")
         if votes.drain:
             (self._drain or Drain()).stop(self)
         if votes.hosts_updated and raise_host_updates:
@@ -325,15 +323,11 @@ class State(TorchState):
         if failed is not None:
             generation, unreadable = agreement.UNREADABLE, str(failed)
         elif wanted_checkpoint is not None:
-            try:
-                found = checkpoint.newest_good(wanted_checkpoint[0])
-                generation = agreement.NO_FILE if found is None else found[1]
-            except checkpoint.CheckpointError as e:
-                generation, unreadable = agreement.UNREADABLE, str(e)
+            generation, unreadable = self._checkpoints.newest_generation(wanted_checkpoint[0])
         plan = agreement.at_sync(full, self._holds_job and wanted_checkpoint is None,
                                  generation, unreadable)
         if plan.source_rank is not None:
-            self._load_from(plan.source_rank, *wanted_checkpoint)
+            self._checkpoints.load_from(plan.source_rank, *wanted_checkpoint)
         if plan.full:
             super().sync()
             self._detach_plain_values()
@@ -405,30 +399,7 @@ class State(TorchState):
             self.save_checkpoint(path, background=True)
             self.settle_checkpoint()
 
-    # -- whole-job checkpoints -------------------------------------------------------
-    def _checkpoint_payload(self, stable=False):
-        # stable: a copy that the next commit does not overwrite (its buffers
-        # are reused), so that a thread may serialise it while training goes on.
-        # State mapped from files (optimizer state on disk) is stable as it is.
-        self._copies.wait()
-        handlers = {}
-        for name, handler in internals.handlers(self).items():
-            if hasattr(handler, "saved_state"):
-                saved = handler.saved_state()
-                mapped = isinstance(handler.value, Participant) \
-                    and handler.value.checkpoint_is_mapped()
-                handlers[name] = {"state_dict": snapshot(saved) if stable and not mapped
-                                  else saved}
-            elif hasattr(handler.value, "state_dict"):
-                handlers[name] = {"state_dict": handler.value.state_dict()}
-            else:
-                handlers[name] = {"value": handler.value}
-        objects = dict(internals.saved_values(self))
-        return {"handlers": handlers, "objects": snapshot(objects) if stable else objects}
-
-    def _committed_generation(self):
-        return internals.handlers(self)["epochs"].saved_state()["commits"]
-
+    # -- whole-job checkpoints (state_checkpoints.py) -----------------------------------
     def save_checkpoint(self, path, background=False):
         """Write the state of the last commit to ``path`` on rank 0 (others do nothing).
 
@@ -443,60 +414,23 @@ class State(TorchState):
         wait for it. A failed write raises :class:`hvd_adapt.CheckpointError`
         there, and at the next commit on every rank.
         """
-        if env.rank() != 0:
-            return
-        generation = self._committed_generation()
-        target = (os.path.abspath(path), generation)
-        if self._written == target:
-            # This commit is on its way to this file already (a drain right
-            # after an epoch's checkpoint): wait for it instead.
-            self._checkpoint_writer.wait()
-            return
-        self._written = None
-        # With state mapped from files (too large to copy into memory), a
-        # background write serialises a stable copy on its thread instead.
-        stream = background and any(p.checkpoint_is_mapped() for p in self._participants)
-        self._checkpoint_writer.write(self._checkpoint_payload(stable=stream), path, generation,
-                                      background, stream=stream)
-        self._written = target
+        self._checkpoints.save(path, background)
 
     def refresh_checkpoint(self, path):
         """Rank 0, where an epoch loop with a checkpoint starts (also after every reset): if
         ``path`` holds an older generation than the last epoch's end that was committed (the
         worker writing it died, or rank 0 moved to a host whose folder holds an older one),
         write the last commit there now, in the background."""
-        boundary = self.epochs.epoch_end_commits
-        if env.rank() != 0 or boundary == 0:
-            return
-        written = self._written
-        if written is not None and written[0] == os.path.abspath(path) and written[1] >= boundary:
-            return
-        try:
-            found = checkpoint.generation_of(path)
-        except checkpoint.CheckpointError as e:
-            log.warning("%s; writing the last commit over it", e)
-            found = None
-        if found is None or found < boundary:
-            self.save_checkpoint(path, background=True)
+        self._checkpoints.refresh(path)
 
     def wait_for_checkpoint(self):
         """Block until a background checkpoint write is on disk (rank 0; a no-op elsewhere)."""
-        self._checkpoint_writer.wait()
+        self._checkpoints.wait()
 
     def settle_checkpoint(self):
         """Collective: wait for rank 0's background checkpoint write; if it failed, raise
         :class:`hvd_adapt.CheckpointError` with its cause on every rank."""
-        self._fail_together_on_a_checkpoint_error("hvd_adapt.checkpoint_written")
-
-    def _fail_together_on_a_checkpoint_error(self, collective_name):
-        # Only rank 0 writes, so only it knows the error; every rank raises it.
-        error = None
-        if env.rank() == 0:
-            try:
-                self._checkpoint_writer.wait()
-            except checkpoint.CheckpointError as e:
-                error = e
-        agreement.fail_together(error, collective_name)
+        self._checkpoints.fail_together("hvd_adapt.checkpoint_written")
 
     def load_checkpoint(self, path, trusted=False):
         """Collective: resume from the newest checkpoint at ``path`` any rank can read, or sync
@@ -523,70 +457,10 @@ class State(TorchState):
         # No collective before the sync's own: a worker joining a running job
         # meets the survivors' sync here. A write of this process's that
         # failed is reported through the sync's agreement instead.
-        try:
-            self._checkpoint_writer.wait()
-            failed = None
-        except checkpoint.CheckpointError as e:
-            failed = e
-        self._sync_world(full=True, wanted_checkpoint=(path, trusted), failed=failed)
+        self._sync_world(full=True, wanted_checkpoint=(path, trusted),
+                         failed=self._checkpoints.own_write_error())
         self._skip_next_sync = True
         return self.epochs.resumed
-
-    def _load_from(self, source_rank, path, trusted):
-        # Rank 0 ends up holding the checkpoint; the full sync that follows
-        # gives it to everyone. Rank 0's failure is every rank's.
-        rank = env.rank()
-        names = list(internals.handlers(self)) + list(internals.saved_values(self))
-        error = None
-        if source_rank == 0:
-            if rank == 0:
-                error = self._apply_checkpoint(
-                    lambda: checkpoint.read_newest(path, names, trusted), path)
-        else:
-            data = None
-            if rank == source_rank:
-                try:
-                    # The file the agreement saw: the newest good generation.
-                    found = checkpoint.newest_good(path)
-                    with open(path if found is None else found[0], "rb") as f:
-                        data = f.read()
-                except (OSError, checkpoint.CheckpointError) as e:
-                    log.error("reading checkpoint %s failed: %s", path, e)
-            data = collective.broadcast_bytes(data, root_rank=source_rank,
-                                              name="hvd_adapt.checkpoint_file")
-            where = f"{path} (rank {source_rank}'s)"
-            if rank == 0:
-                if data is None:
-                    error = checkpoint.CheckpointError(f"checkpoint {where} could not be read")
-                else:
-                    error = self._apply_checkpoint(
-                        lambda: checkpoint.read(io.BytesIO(data), names, trusted, name=where),
-                        where)
-        agreement.fail_together(error, "hvd_adapt.checkpoint_loaded")
-
-    def _apply_checkpoint(self, read, where):
-        """Load what ``read()`` returns into every value; returns the CheckpointError, or None."""
-        try:
-            payload = read()
-            for name, entry in payload["handlers"].items():
-                handler = internals.handlers(self)[name]
-                try:
-                    if "state_dict" in entry:
-                        handler.value.load_state_dict(entry["state_dict"])
-                    else:
-                        handler.value = entry["value"]
-                        setattr(self, name, entry["value"])
-                except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as e:
-                    raise checkpoint.CheckpointError(
-                        f"checkpoint {where}: cannot load {name!r}: {type(e).__name__}: {e}") from e
-            for name, value in payload["objects"].items():
-                setattr(self, name, value)
-        except checkpoint.CheckpointError as e:
-            return e
-        self.epochs.resumed = True
-        # The sync that follows sends the saved plain values (Horovod's ObjectState.sync).
-        self.save()
-        return None
 
 
 def _check_name(name):

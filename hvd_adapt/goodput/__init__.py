@@ -1,4 +1,4 @@
-"""Goodput model and fit, numpy and scipy only (no torch, no Horovod).
+"""Goodput :mod:`.model` and :mod:`.fit`, numpy and scipy only (no torch, no Horovod).
 
 A scheduler can import this package alone to ask what a profiled job would
 gain from more replicas; ``import hvd_adapt.goodput`` loads neither torch nor

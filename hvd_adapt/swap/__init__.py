@@ -1,6 +1,6 @@
-"""The optimizer's state on disk, as DeepSpeed's optimizer swapper, under torch optimizers:
-:class:`DiskState`, the on-disk :class:`~hvd_adapt.optim.optimizer_state.OptimizerState`
-(``swap_dir`` of :class:`hvd_adapt.DistributedOptimizer`; docs/optimizer-state-on-disk.md)."""
+"""The optimizer's state on disk (``swap_dir``; docs/optimizer-state-on-disk.md), as DeepSpeed's
+swapper: :mod:`.disk_state` (:class:`DiskState`, the on-disk ``OptimizerState``), :mod:`.files`
+(each file's life), :mod:`.step` (a step's pipeline), :mod:`.layout`, :mod:`.io` (checked I/O)."""
 from .disk_state import DiskState, Outcome
 from .io import SwapError
 
