@@ -106,13 +106,15 @@ def test_a_host_added_during_a_reset_joins_without_another_discovery_change():
     # a second localhost slot is added. The driver tells rank 0 while it waits
     # in the rendezvous: that message must survive the reset, so the third
     # worker joins at the next commit although discovery never changes again.
+    # (Where the driver forms the world of 3 while the world of 2 still meets,
+    # waiting for its slow worker, the world of 2 never commits: [1, 3].)
     schedule = [(0, ["localhost:1"]), (4, ["localhost:1", "127.0.0.1:1"]),
                 (4, ["localhost:2", "127.0.0.1:1"], 3.0)]
     args = RECIPE + ["--epochs", "3", "--wait-steps", "[4, 6]", "--slow-join", 8]
     job, commits, epochs = run_elastic(schedule, np=1, min_np=1, max_np=3, worker_args=args,
                                        timeout=240)
     job.check()
-    assert sizes_in_order(commits) == [1, 2, 3], sizes_in_order(commits)
+    assert sizes_in_order(commits) in ([1, 2, 3], [1, 3]), sizes_in_order(commits)
     check_exactly_once(commits, epochs, 3)
     check_identical_replicas(commits)
 
