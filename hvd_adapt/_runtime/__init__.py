@@ -13,7 +13,7 @@
 - :mod:`.script_end`: the line a worker leaves for ``hvd-adapt-run`` when its script ends;
 - :mod:`.threads` and :mod:`.blas`: torch's CPU threads shared on a node, scipy's BLAS at one;
 - :mod:`.private_files`: every file in a shared place, created checked;
-- :mod:`.horovod_internals`: every use of Horovod's private attributes;
+- :mod:`.horovod_internals`: every private name of Horovod's we use (its launcher's too);
 - :mod:`.context`: the one process-wide context.
 
 Nothing here is imported by ``import hvd_adapt``; each module loads what it

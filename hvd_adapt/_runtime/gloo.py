@@ -79,7 +79,8 @@ import psutil
 
 from .._checks import seconds_from_environment
 from . import liveness
-from .rendezvous import (ADDR_VARIABLE, PORT_VARIABLE, RANK_AND_SIZE_SCOPE, RESET_KEY,
+from .horovod_internals import RANK_AND_SIZE_SCOPE
+from .rendezvous import (ADDR_VARIABLE, PORT_VARIABLE, RESET_KEY,
                          RESET_SCOPE, START_SCOPE, VERDICT_KEY, LauncherGone,
                          RendezvousServer)
 

@@ -1,18 +1,34 @@
-"""Every private piece of Horovod hvd_adapt relies on, in one place, checked when imported.
+"""Every private piece of Horovod hvd_adapt relies on, in one place.
 
-hvd_adapt supports Horovod 0.28.x (``horovod>=0.28.1,<0.29``). The elastic
-State extends ``horovod.torch.elastic.TorchState`` and needs a few of its
-underscore attributes; each accessor below names the Horovod 0.28.1 source
-lines it depends on, so that a new Horovod release is checked here and
-nowhere else. Importing this module fails with an error naming what is
-missing instead of an AttributeError deep inside a reset; a State's instance
-attributes (made in Horovod's ``__init__``) are checked by
-:func:`check_state` when the State is built.
+hvd_adapt supports Horovod 0.28.x (``horovod>=0.28.1,<0.29``); each name
+below says which Horovod 0.28.1 source it depends on, so that a new Horovod
+release is checked here and nowhere else. Two parts:
+
+- **the launcher**, as its processes and its key-value store show it: the
+  mark of ``safe_shell_exec``'s middleman, the programs that carry a worker's
+  command to its host, the scope the elastic rendezvous answers
+  ``rank_and_size`` from. Standard library only: ``hvd-adapt-discover``
+  (``scheduling/sessions.py``) and the worker's reset (``_runtime/gloo.py``)
+  use them. (The driver's sentences, read for their meaning, are listed with
+  it in ``scheduling/launcher_output.py``'s ``GIVING_UP``.)
+- **the elastic State**: ``horovod.torch.elastic.TorchState``'s underscore
+  attributes. Horovod is imported when they are first used; a State checks,
+  when it is built (:func:`check_state`), the Horovod version and every name
+  it needs, so that a missing one is an error naming it instead of an
+  AttributeError deep inside a reset.
 """
-import horovod
-import horovod.common.elastic as _common_elastic
-from horovod.runner.elastic.worker import HostUpdateResult
+# -- the launcher (standard library only) ------------------------------------------------
+#: common/util/safe_shell_exec.py: the middleman between the driver and a command (a worker's
+#: session, the discovery script) is a multiprocessing spawn child, started with this argument.
+SPAWN_MARK = "--multiprocessing-fork"
+#: runner/util/remote.py: the programs that carry a worker's command to its host (ssh), or
+#: kubectl under the MPI Operator's kubexec.sh.
+REMOTE_PROGRAMS = ("ssh", "kubectl")
+#: runner/elastic/rendezvous.py: the key-value scope the elastic driver answers a worker's
+#: ``rank_and_size`` from at each reset.
+RANK_AND_SIZE_SCOPE = "rank_and_size"
 
+# -- the elastic State (imports Horovod when used) ----------------------------------------
 SUPPORTED = ((0, 28, 1), (0, 29, 0))
 
 # Instance attributes made by Horovod's constructors:
@@ -35,6 +51,9 @@ def _version_tuple(text):
 
 
 def _check_import():
+    import horovod
+    import horovod.common.elastic as _common_elastic
+    from horovod.runner.elastic.worker import HostUpdateResult
     version = _version_tuple(horovod.__version__)
     low, high = SUPPORTED
     if not low <= version < high:
@@ -48,12 +67,12 @@ def _check_import():
                           f"elastic State needs (see {__name__})")
 
 
-_check_import()
-
-
 def check_state(state):
-    """Raise RuntimeError unless ``state`` (after ``TorchState.__init__``) has every Horovod
-    attribute the accessors below use."""
+    """Raise ImportError unless this Horovod's version and classes are the ones hvd_adapt
+    supports, and RuntimeError unless ``state`` (after ``TorchState.__init__``) has every
+    Horovod attribute the accessors below use."""
+    import horovod
+    _check_import()
     missing = [name for name in _INSTANCE_ATTRIBUTES if not hasattr(state, name)]
     if missing:
         raise RuntimeError(f"horovod {horovod.__version__}'s elastic State lacks {missing}, "
@@ -90,6 +109,7 @@ def take_host_updates(state):
     and stamps it in whole seconds, so Horovod's own ``timestamp > last``
     test dropped the second of two changes within one second.
     """
+    from horovod.runner.elastic.worker import HostUpdateResult
     messages = state._host_messages
     received, update = False, HostUpdateResult.no_update
     while not messages.empty():

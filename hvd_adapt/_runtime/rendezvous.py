@@ -35,7 +35,6 @@ VERDICT_KEY = "verdict"
 # hvd-adapt-discover read it as "the peers reset".
 RESET_SCOPE = "hvd_adapt_reset"
 RESET_KEY = "peers"
-RANK_AND_SIZE_SCOPE = "rank_and_size"    # horovod/runner/elastic/rendezvous.py
 # How long a connection attempt may take before the server counts as silent for it: past
 # Linux's first SYN retransmissions (1 s, 3 s), so a lost packet is not an outage.
 CONNECT_SECONDS = 4.0

@@ -38,13 +38,9 @@ import shutil
 import signal
 import subprocess
 
+from .._runtime.horovod_internals import REMOTE_PROGRAMS, SPAWN_MARK
 from .._runtime.rendezvous import ANSWERED, RESET_KEY, RESET_SCOPE, RendezvousServer
 
-# The programs that carry a worker's command to its host: Horovod's ssh command
-# (runner/util/remote.py), or kubectl under the MPI Operator's kubexec.sh.
-REMOTE_PROGRAMS = ("ssh", "kubectl")
-# How a multiprocessing spawn child (Horovod's safe_shell_exec middleman) is started.
-SPAWN_MARK = "--multiprocessing-fork"
 
 
 def _argv(pid):
