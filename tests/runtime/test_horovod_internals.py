@@ -10,7 +10,7 @@ import pytest
 import hvd_adapt
 from hvd_adapt._runtime import horovod_internals
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_horovod_outside_the_supported_range_is_refused_at_import(monkeypatch):

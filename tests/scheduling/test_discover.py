@@ -13,6 +13,7 @@ import pytest
 from hvd_adapt.scheduling import discover as discover_module
 from hvd_adapt.scheduling.base import parse_hosts
 from hvd_adapt.scheduling.hints import HintsError, make_hints, read_hints, write_hints
+from support.discovery import Discovery
 from support.launch import alive
 from support.second_user import OTHER_UID, as_other_user
 
@@ -21,33 +22,6 @@ def linear_curve(n, per_worker=1.0):
     return [{"replicas": r, "nodes": r, "goodput": 100.0 * (1 + per_worker * (r - 1)),
              "speedup": 1 + per_worker * (r - 1), "local_bsz": 8, "accumulation_steps": 0,
              "batch_size": 8 * r} for r in range(1, n + 1)]
-
-
-class Discovery:
-    """Runs the discovery in this process on a host file, as Horovod would every second."""
-
-    def __init__(self, tmp_path, hosts, *extra, hints=False):
-        self.hostfile = tmp_path / "hosts.txt"
-        self.hints = str(tmp_path / "hints.json")
-        self.tmp_path = tmp_path
-        self.set_hosts(hosts)
-        # No hold after a resize unless a test asks for one.
-        self.extra = ["--hold", "0"] + list(extra) + (["--hints", self.hints] if hints else [])
-
-    def set_hosts(self, hosts):
-        self.hostfile.write_text("".join(f"{h}\n" for h in hosts))
-
-    def publish(self, replicas, curve, timed, written_at=None):
-        hints = make_hints(replicas, 1, timed, 8, time.time(), curve)
-        if written_at is not None:
-            hints["written_at"] = written_at
-        write_hints(self.hints, hints)
-
-    def __call__(self, *more, now=None):
-        argv = ["--hostfile", str(self.hostfile), "--ssh-port", "0",
-                "--state", str(self.tmp_path / "state.json")] + self.extra + list(more)
-        args = discover_module.parser().parse_args(argv)
-        return discover_module.discover(args, now=now)
 
 
 def test_without_hints_offers_every_host_existing_first(tmp_path):

@@ -112,7 +112,7 @@ def test_lost_after_is_checked(capsys):
 def test_without_the_probe_and_without_keepalive_one_line_names_the_fix(tmp_path, capsys):
     if not sessions.keepalive_off("h1"):
         pytest.skip("this user's ssh has a keepalive (or no ssh): nothing to warn about")
-    from test_scheduling_discover import Discovery      # runs with --ssh-port 0
+    from support.discovery import Discovery      # runs with --ssh-port 0
     run = Discovery(tmp_path, ["h1", "h2"])
     run()
     run()

@@ -14,7 +14,8 @@ tests/support/launch.py puts it on the path of the jobs it starts).
 - hooked_optimizer: an AdamW whose step can be made to fail part way; small_jobs: a small
   classifier to train; swap_pairs: the swap tests' state-on-disk-beside-in-memory pairs
 - gloo_store: a key-value store like horovodrun's; silent_host: a listener that says nothing
-- readme: the README's minimal loop and elastic command
+- readme: the README's minimal loop and elastic command; discovery: hvd-adapt-discover run
+  in this process on a host file
 
 Fixtures are in the conftest.py files (tests/, tests/swap/, tests/cluster/).
 """

@@ -193,7 +193,8 @@ def test_the_folder_mode_changed_by_its_owner_as_a_non_root_user(when, shared_tm
     if os.geteuid() != 0:
         pytest.skip("acting as a second local user needs root (setuid)")
     done = subprocess.run([sys.executable, __file__, when, shared_tmp], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

@@ -370,7 +370,7 @@ def between(event, pairs, states, folder):
                                    "skipped_step_and_more_backwards", "sync_from_root",
                                    "add_param_group"])
 def test_what_a_loop_does_between_backward_and_step_keeps_training_bitwise(event, tmp_path):
-    from test_optim_swap import assert_same, deep, pair, step_both
+    from support.swap_pairs import assert_same, deep, pair, step_both
     pairs = pair(deep, str(tmp_path / "swap"), buffer_mb=24 / 1024)
     (tmp_path / "checkpoints").mkdir()
     states = [State(model=model, optimizer=opt) for model, opt in pairs]
