@@ -2,7 +2,7 @@
 
 The jobs of ``--jobs`` (``kind:epochs`` each, arriving ``--arrivals``
 seconds after the first) run on a namespace cluster of this machine
-(tests/cluster/bed.py: four pool hosts with real sshd, the launchers and the
+(tests/support/bed.py: four pool hosts with real sshd, the launchers and the
 arbiter on a fifth) under three policies, one after the other:
 
 - ``static``: the pool split as evenly as it goes by hand (4 hosts, 3 jobs:
@@ -15,7 +15,7 @@ arbiter on a fifth) under three policies, one after the other:
 
 The hosts share this machine's cores, so each host's accelerator is a
 per-sample sleep holding a lock of that host's own, beside a real small
-model (tests/cluster/pool.py: ``scales`` nearly doubles its goodput with a
+model (tests/support/pool.py: ``scales`` nearly doubles its goodput with a
 second worker; ``comm`` is bound by its allreduce). The figures measure
 allocation, not the sharing of cores; a loaded machine slows every policy.
 Each job's completion time is from its arrival to its launcher's exit; the
@@ -39,10 +39,10 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [os.path.join(ROOT, "tests", "cluster"), os.path.join(ROOT, "tests")]
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import bed as cluster  # noqa: E402
-import pool  # noqa: E402
+from support import bed as cluster  # noqa: E402  (tests/support/: the namespace cluster)
+from support import pool  # noqa: E402
 
 POLICIES = ("static", "greedy", "arbiter")
 SAMPLES = 96

@@ -2,7 +2,7 @@
 
 Builds three network-namespace hosts with an sshd each and a fourth for the
 launcher (h0; root needed; ssh without keepalive, as ssh's defaults have it,
-unless ``--ssh-keepalive``), runs tests/cluster/faults.py's 3-host job (elastic
+unless ``--ssh-keepalive``), runs tests/support/faults.py's 3-host job (elastic
 horovodrun on h0 over real ssh to h1, h2, h3; AdamW, a GradScaler,
 autoscaling) and injects a fault once the job has committed 6 steps. Per
 fault and configuration, over ``--runs`` runs: the survivors' pause (the
@@ -70,10 +70,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "cluster"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import bed as cluster  # noqa: E402
-import faults  # noqa: E402
+from support import bed as cluster  # noqa: E402  (tests/support/: the namespace cluster)
+from support import faults  # noqa: E402
 import record  # noqa: E402  (benchmarks/record.py, beside this script)
 
 

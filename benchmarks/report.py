@@ -196,7 +196,7 @@ def soak_section():
                      "0 lost, 0 doubled; totals exact; replicas identical" +
                      (", " + ", ".join(checks) if checks else ""), detail, "0",
                      f"{d['seconds']:.0f}"])
-    parts = ["## Elastic soaks: `tests/distributed/soak.py`\n", notes("soak"),
+    parts = ["## Elastic soaks: `tests/support/soak.py`\n", notes("soak"),
              table(["kind", "what", "events", "resets", "epochs", "checked, all passed",
                     "timing", "hangs", "seconds"], rows),
              provenance(list(records.values()))]

@@ -1,16 +1,16 @@
+import http.server
 import os
-import sys
+import shutil
+import subprocess
 import tempfile
+import threading
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-# tests/cluster's helpers (the namespace cluster): a conftest.py of its own there would clash
-# with this one (pytest imports both as the module "conftest"), so its fixtures live here.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cluster"))
+from support.gloo_store import Store
 
 # Worker scripts run a job when imported: --doctest-modules must not import them.
-collect_ignore_glob = ["distributed/workers/*.py", "hvdrun_fast_discovery.py"]
+collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py"]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -23,21 +23,43 @@ def job_directories_under_pytests_temp(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module")
-def bed(request, tmp_path_factory):
-    """The namespace cluster (tests/cluster/bed.py): 3 hosts (a module's ``BED_HOSTS`` where it
-    sets one) and the launcher's own, one per test module."""
-    import bed as cluster
-    reason = cluster.missing()
-    if reason:
-        pytest.skip(reason)
-    with cluster.Bed(getattr(request.module, "BED_HOSTS", 3), ssh_options=cluster.KEEPALIVE,
-                     launcher=True, root=str(tmp_path_factory.mktemp("bed"))) as made:
-        yield made
+@pytest.fixture
+def shared_tmp():
+    """A fresh folder like /tmp (mode 1777, reachable by every user) outside pytest's private
+    base temp, removed afterwards."""
+    folder = tempfile.mkdtemp(prefix="hvd_adapt-shared-", dir="/tmp")
+    os.chmod(folder, 0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
-def job_dir(tmp_path):
-    """A folder on the cluster's shared file system for one job's script, logs and
-    checkpoints (every host reads and writes it as root; pytest's 0700 is fine)."""
-    return str(tmp_path)
+def full_disk(tmp_path):
+    """A folder on a 256 KiB tmpfs, with ``fill(folder)`` (tests/support/full_disk.py) to use
+    up what is left; skipped (with the reason) where this process may not mount one."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs",
+                              str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs was refused: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def store():
+    """A key-value store like horovodrun's (tests/support/gloo_store.py), empty, served on
+    127.0.0.1; the fixture is the client hvd_adapt's rendezvous code talks to."""
+    from hvd_adapt._runtime.rendezvous import RendezvousServer
+    Store.data = {}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield RendezvousServer(*server.server_address)
+    server.shutdown()
+    server.server_close()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import horovodrun_command, run_job
+from support.launch import horovodrun_command, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(ROOT, "examples", "digits", "train.py")

@@ -292,3 +292,41 @@ def test_every_package_docstring_names_its_modules():
             if name.endswith(".py") and module != "__init__" and f".{module}`" not in docstring:
                 missing.append(f"{package}/{name}")
     assert not missing, missing
+
+
+# Issue 46: tests/ mirrors the packages, and what the tests share is one package of its own.
+TESTS = os.path.join(os.path.dirname(PACKAGE), "tests")
+BESIDE_THE_PACKAGES = {"support", "distributed", "cluster"}
+
+
+def test_the_tests_mirror_the_packages():
+    packages = {name.lstrip("_") for name in os.listdir(PACKAGE)
+                if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py"))}
+    folders = {name for name in os.listdir(TESTS) if os.path.isdir(os.path.join(TESTS, name))
+               and not name.startswith(("_", "."))}
+    assert folders == packages | BESIDE_THE_PACKAGES, {
+        "packages without tests/<package>/": sorted(packages - folders),
+        "folders that are no package": sorted(folders - packages - BESIDE_THE_PACKAGES)}
+    at_the_top = [name for name in os.listdir(TESTS)
+                  if any(name.startswith(f"test_{package}_") for package in packages)]
+    assert not at_the_top, f"these belong in tests/<package>/: {at_the_top}"
+
+
+def test_no_test_module_imports_another():
+    imports = []
+    for folder, _, files in os.walk(TESTS):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                text = f.read()
+            # An unused import kept on purpose is a fixture imported: it belongs in a conftest.py.
+            if "noqa: " + "F401" in text:
+                imports.append(f"{os.path.relpath(path, TESTS)}: an import kept unused")
+            for node in ast.walk(ast.parse(text)):
+                modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) \
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                imports += [f"{os.path.relpath(path, TESTS)}: {module}" for module in modules
+                            if module.split(".")[-1].startswith(("test_", "conftest"))]
+    assert not imports, f"shared code goes into tests/support/, fixtures into conftest.py: {imports}"

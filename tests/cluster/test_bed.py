@@ -5,16 +5,16 @@ import sys
 
 import pytest
 
-import bed as cluster
+from support import bed as cluster
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_bed_whose_maker_died_is_swept_by_the_next(tmp_path):
     reason = cluster.missing()
     if reason:
         pytest.skip(reason)
-    code = (f"import sys, time; sys.path.insert(0, {HERE!r}); import bed\n"
+    code = (f"import sys, time; sys.path.insert(0, {TESTS!r}); from support import bed\n"
             f"made = bed.Bed(1, root={str(tmp_path)!r}); made.build()\n"
             "print(made.tag, flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

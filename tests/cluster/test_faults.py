@@ -2,10 +2,8 @@
 GradScaler, autoscaling with accumulation): the job trains on, every sample once per epoch,
 replicas identical. Each job gets ``after_fault`` seconds after the fault for about 15 s of
 training: a survivor that waits out a 60 s Gloo timeout, hangs, or dies fails the test."""
-import pytest
-
-import faults
-from training_logs import check_exactly_once, check_identical_replicas
+from support import faults
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 
 def check_trained_on(job, sizes_after):

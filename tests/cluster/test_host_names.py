@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import bed as cluster
-from test_smoke import readme_minimal_loop
+from support import bed as cluster
+from support.readme import readme_minimal_loop
 
 BIN = os.path.dirname(sys.executable)
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-import faults
-from training_logs import (check_exactly_once, check_identical_replicas,
-                           check_resumed_from_checkpoint, lineage, read_attempts)
+from support import faults
+from support.training_logs import (check_exactly_once, check_identical_replicas,
+                                   check_resumed_from_checkpoint, lineage, read_attempts)
 
 SUPERVISOR = [sys.executable, "-m", "hvd_adapt.scheduling.job_supervisor"]
 BED_HOSTS = 4      # the launcher's, two lost, one new

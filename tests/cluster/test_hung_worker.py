@@ -7,8 +7,8 @@ Before the watchdog the survivors waited for the stopped worker for good.
 
 The job gets ``after_fault`` seconds after the fault: about 15 s of training and a cold
 rejoin, far less than a hang."""
-import faults
-from training_logs import check_exactly_once, check_identical_replicas
+from support import faults
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 EPOCHS = 4    # one more than the crash tests: time for h3's cold rejoin
 

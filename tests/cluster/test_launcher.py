@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-import bed as cluster
-import faults
-from training_logs import check_exactly_once, check_identical_replicas
+from support import bed as cluster
+from support import faults
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 
 @pytest.fixture(scope="module")

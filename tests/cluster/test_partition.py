@@ -1,4 +1,4 @@
-"""A silent partition of one host in a 3-host elastic job (tests/cluster/faults.py's job,
+"""A silent partition of one host in a 3-host elastic job (tests/support/faults.py's job,
 with hvd-adapt-discover wrapping the host list as a user would): its link goes down with no
 reset, and ssh has NO keepalive on this bed, so nothing but hvd-adapt-discover's probe
 ends the driver's ssh session to it (hvd_adapt/scheduling/sessions.py). Without that,
@@ -10,9 +10,9 @@ import pytest
 # next world has formed without it (docs/elastic.md).
 COOLDOWN = ["--blacklist-cooldown-range", "7", "10"]
 
-import bed as cluster
-import faults
-from training_logs import check_exactly_once, check_identical_replicas
+from support import bed as cluster
+from support import faults
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Two elastic jobs share a pool of four namespace hosts through hvd-adapt-arbiter: one that
 scales (its samples take an "accelerator"'s time) and one bound by its allreduce. Real ssh,
-real horovodrun, AdamW and autoscaling; tests/cluster/pool.py says how the hosts' cores are
+real horovodrun, AdamW and autoscaling; tests/support/pool.py says how the hosts' cores are
 stood in for.
 
 What it checks, from the logs: each job trains every sample once per epoch with identical
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-import pool
-from training_logs import check_exactly_once, check_identical_replicas
+from support import pool
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
@@ -31,7 +31,7 @@ ARBITER = ("--change-interval", "30", "--gone-after", "10")
 
 @pytest.fixture(scope="module")
 def pool_bed(tmp_path_factory):
-    import bed as cluster
+    from support import bed as cluster
     reason = cluster.missing()
     if reason:
         pytest.skip(reason)

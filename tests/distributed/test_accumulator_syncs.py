@@ -7,7 +7,7 @@ silently.
 """
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -1,9 +1,9 @@
 """Batch bounds in a real three-process job (the policy's grid over B0, max and local bounds
-at 1, 2 and 3 replicas is in tests/test_autoscale_policy.py)."""
+at 1, 2 and 3 replicas is in tests/autoscale/test_policy.py)."""
 import pytest
 
 from hvd_adapt.autoscale.policy import AutoscalePolicy
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

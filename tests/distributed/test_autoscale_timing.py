@@ -1,7 +1,7 @@
 """What several autoscaling replicas time before their first decision."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

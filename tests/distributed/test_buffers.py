@@ -4,7 +4,7 @@ rank holds rank 0's BatchNorm statistics, equal to a plain-torch model's on rank
 import numpy as np
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

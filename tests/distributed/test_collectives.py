@@ -1,7 +1,7 @@
 """env and collective under real multi-process Horovod jobs (Gloo and MPI)."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

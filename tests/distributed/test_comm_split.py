@@ -2,7 +2,7 @@
 mpi4py's COMM_WORLD (not through Horovod)."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

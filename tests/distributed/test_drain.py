@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from full_disk import fill, full_disk  # noqa: F401 (a fixture)
-from launch import BIN, WORKERS, horovodrun_command, launch_env, run_job, run_ranks
+from support.full_disk import fill
+from support.launch import BIN, WORKERS, horovodrun_command, launch_env, run_job, run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -13,9 +13,9 @@ import tempfile
 
 import pytest
 
-from elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order
-from launch import WORKERS, run_job
-from training_logs import check_exactly_once, check_identical_replicas
+from support.elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order
+from support.launch import WORKERS, run_job
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 

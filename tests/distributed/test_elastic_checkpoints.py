@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from elastic_jobs import run_elastic
-from launch import WORKERS, horovodrun_command, run_job
-from training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_attempts
-from training_logs import read_logs
+from support.elastic_jobs import run_elastic
+from support.launch import WORKERS, horovodrun_command, run_job
+from support.training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_attempts
+from support.training_logs import read_logs
 
 pytestmark = pytest.mark.distributed
 

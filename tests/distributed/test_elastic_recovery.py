@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from elastic_jobs import run_elastic, sizes_in_order
-from training_logs import check_exactly_once, check_identical_replicas, read_attempts
+from support.elastic_jobs import run_elastic, sizes_in_order
+from support.training_logs import check_exactly_once, check_identical_replicas, read_attempts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 

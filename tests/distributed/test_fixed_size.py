@@ -1,8 +1,8 @@
 """Training at a fixed world size under horovodrun and mpirun: every epoch sees each sample once."""
 import pytest
 
-from launch import run_ranks
-from training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_logs
+from support.launch import run_ranks
+from support.training_logs import SAMPLES, check_exactly_once, check_identical_replicas, read_logs
 
 pytestmark = pytest.mark.distributed
 

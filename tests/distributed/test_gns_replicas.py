@@ -2,7 +2,7 @@
 import pytest
 
 from hvd_adapt.autoscale.controller import MEASURE_EVERY
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -7,9 +7,9 @@ the single-process ones still run. ``scripts/gpu_check.sh`` runs these.
 import pytest
 import torch
 
-from launch import run_ranks
-from elastic_jobs import run_elastic, sizes_in_order
-from training_logs import SAMPLES, check_exactly_once, read_logs
+from support.launch import run_ranks
+from support.elastic_jobs import run_elastic, sizes_in_order
+from support.training_logs import SAMPLES, check_exactly_once, read_logs
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 CUDA = {"HVD_ADAPT_TEST_DEVICE": "cuda"}

@@ -5,7 +5,7 @@ broadcast half-precision buffers, accumulators sum half-precision tensors, a che
 reads back bit for bit."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

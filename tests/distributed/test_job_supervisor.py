@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from elastic_jobs import FAST_HOROVODRUN, worker_command
-from launch import WORKERS, horovodrun_command, launch_env, run_job
-from training_logs import (check_exactly_once, check_identical_replicas,
-                           check_resumed_from_checkpoint, lineage, read_attempts, read_logs)
+from support.elastic_jobs import FAST_HOROVODRUN, worker_command
+from support.launch import WORKERS, horovodrun_command, launch_env, run_job
+from support.training_logs import (check_exactly_once, check_identical_replicas,
+                                   check_resumed_from_checkpoint, lineage, read_attempts, read_logs)
 
 pytestmark = [pytest.mark.distributed]
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import BIN, WORKERS, run_job
+from support.launch import BIN, WORKERS, run_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import WORKERS, run_ranks
+from support.launch import WORKERS, run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -4,7 +4,7 @@ after every optimizer step, and each other's bit for bit; patterns that cannot b
 stop every rank with an error that names the cause."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

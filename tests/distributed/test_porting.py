@@ -10,8 +10,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from elastic_jobs import FAST_HOROVODRUN, discovery_script
-from launch import WORKERS, run_job, run_ranks
+from support.elastic_jobs import FAST_HOROVODRUN, discovery_script
+from support.launch import WORKERS, run_job, run_ranks
 
 pytestmark = pytest.mark.distributed
 

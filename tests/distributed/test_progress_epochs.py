@@ -1,7 +1,7 @@
 """Epochs by progress under horovodrun: every rank ends each epoch at the same step."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

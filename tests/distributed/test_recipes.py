@@ -3,7 +3,7 @@ clipping, and a rank that skips a step. Every rank's gradients and parameters ar
 """
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from elastic_jobs import run_elastic, sizes_in_order, worker_command
-from launch import BIN, launch_env
-from soak import pauses
-from training_logs import check_exactly_once, check_identical_replicas, read_attempts
+from support.elastic_jobs import run_elastic, sizes_in_order, worker_command
+from support.launch import BIN, launch_env
+from support.soak import pauses
+from support.training_logs import check_exactly_once, check_identical_replicas, read_attempts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from soak import KINDS, make_schedule, soak
+from support.soak import KINDS, make_schedule, soak
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 

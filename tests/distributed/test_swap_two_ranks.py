@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from elastic_jobs import run_elastic, sizes_in_order
-from launch import run_ranks
-from training_logs import check_exactly_once, check_identical_replicas
+from support.elastic_jobs import run_elastic, sizes_in_order
+from support.launch import run_ranks
+from support.training_logs import check_exactly_once, check_identical_replicas
 
 pytestmark = pytest.mark.distributed
 

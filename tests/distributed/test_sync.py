@@ -6,7 +6,7 @@ job's start and gave a joining worker weights the others did not have.
 """
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

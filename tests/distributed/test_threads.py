@@ -1,7 +1,7 @@
 """torch's CPU threads are shared among the replicas of a node (hvd_adapt/_threads.py)."""
 import pytest
 
-from launch import run_ranks
+from support.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

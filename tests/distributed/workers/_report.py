@@ -1,4 +1,4 @@
-"""What test workers use to hand results back to tests/launch.py."""
+"""What test workers use to hand results back to tests/support/launch.py."""
 import json
 import os
 

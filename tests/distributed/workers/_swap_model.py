@@ -1,14 +1,10 @@
 """The two-rank swap workers' model: eight Linear(32, 32) + Tanh layers and an AdamW whose
-step can be made to fail at a chosen chunk (tests/hooked_optimizer.py)."""
-import os
-import sys
-
+step can be made to fail at a chosen chunk (tests/support/hooked_optimizer.py)."""
 import torch
 
 import hvd_adapt
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.py)
+from support.hooked_optimizer import HookedAdamW
 
 
 def build(swap_dir):

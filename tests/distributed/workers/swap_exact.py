@@ -1,6 +1,6 @@
 """Two ranks train the same recipe with the optimizer state in memory or on disk
 (--swap-dir); each reports digests of its parameters and optimizer state after every
-optimizer step, for tests/distributed/test_optim_swap.py to compare."""
+optimizer step, for tests/distributed/test_swap_two_ranks.py to compare."""
 import argparse
 import hashlib
 

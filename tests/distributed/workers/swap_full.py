@@ -9,9 +9,7 @@ import torch
 
 import hvd_adapt
 from _report import report
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from full_disk import fill  # noqa: E402  (tests/full_disk.py: the one disk filler)
+from support.full_disk import fill  # the one disk filler
 
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()

@@ -25,9 +25,7 @@ import torch
 
 import hvd_adapt
 from _report import report
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hooked_optimizer import HookedAdamW  # noqa: E402  (tests/hooked_optimizer.py)
+from support.hooked_optimizer import HookedAdamW
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["stop", "straight", "kill", "resume"])
