@@ -1,6 +1,6 @@
 """A commit's tensor copies: which are made at once, which after the commit returns (a thread
-on the CPU, a side stream on CUDA), which are skipped as unchanged, and the check that each
-one holds the committed value before anything may write its source.
+on the CPU, a side stream on CUDA), and the check that each one holds the committed value
+before anything may write its source.
 
 What writes the tensors of a State between a commit and the next one decides when each
 is copied:
@@ -32,13 +32,11 @@ Either failure raises :class:`CommitCopyError` naming the value and the tensor: 
 snapshot is never silently a mix of two steps. A copy that itself failed (out of memory
 on the thread) is made again at the wait, from sources the same check shows unchanged.
 
-A tensor is skipped when its source is the one copied last time (same storage, shape and
-strides, held since) with the same version counter and fingerprint: frozen parameters,
-an EMA updated every k steps, constant buffers (on the CPU; on a device nothing is
-skipped, since reading values would wait for it, and copies there are cheap). A write
-through ``.data`` that changes none of the fingerprint's elements is missed there; the
-fingerprint spreads over the whole tensor so that an update of every element (an
-optimizer's, an EMA's) cannot be. Tied weights (one tensor under two names) are copied
+Every tensor is copied at every commit, frozen ones too: nothing short of reading all of
+it shows a tensor unchanged since the last commit (a write through ``.data`` leaves its
+version counter as it was, and a fingerprint is a sample), and a copy skipped on a wrong
+guess would restore a stale value without a word. The copies run while the next forward
+does, so what they cost is memory bandwidth, not the step. Tied weights (one tensor under two names) are copied
 once.
 """
 import atexit
@@ -57,8 +55,6 @@ FINGERPRINT_ELEMENTS = 16
 #: a script that writes a tensor through ``.data`` in that window at every step is caught
 #: within a few steps.
 FINGERPRINTS_PER_COMMIT = 32
-#: Tensors of up to this many elements are copied at every commit, never compared.
-SKIP_CHECKED_ABOVE = 1024
 
 
 class CommitCopyError(RuntimeError):
@@ -96,11 +92,6 @@ def fingerprint(tensor):
         flat = _integers(tensor.detach()).reshape(-1)
     flat = flat.numpy()
     return flat[::max(flat.size // FINGERPRINT_ELEMENTS, 1)].copy()
-
-
-def _same_storage(a, b):
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _copy_now(dst, src):
@@ -160,8 +151,6 @@ class CommitCopies:
     """
 
     def __init__(self):
-        self._records = {}        # id(dst) -> the _Copy that last filled dst
-        self._filled = {}
         self._sources = {}        # this save's sources by storage -> the buffer they fill
         self._later = None        # this save's deferred copies, by phase
         self._step_written = ()
@@ -186,46 +175,29 @@ class CommitCopies:
         self._device_now = False
         self._step_written = step_written
         self._later = ([], []) if defer else None
-        self._filled, self._sources = {}, {}
+        self._sources = {}
 
     def copy(self, dst, src, label, deferred):
-        """Fill ``dst`` from ``src`` for this commit: skipped where unchanged since ``dst``
-        was filled from it, else now, or after the commit returns where ``deferred``
-        (a parameter or an optimizer's state)."""
+        """Fill ``dst`` from ``src`` for this commit: now, or after the commit returns where
+        ``deferred`` (a parameter or an optimizer's state)."""
         src = src.detach()
         where = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device)
         if where in self._sources and src.data_ptr():
             # Tied weights (one tensor under two names): one copy, shared by both names.
             return self._sources[where]
         self._sources[where] = dst
-        last = self._records.get(id(dst))
-        # A small tensor costs less to copy than to compare.
-        if last is not None and src.numel() > SKIP_CHECKED_ABOVE \
-                and self._unchanged(last, dst, src):
-            self._filled[id(dst)] = last
-            return dst
         if deferred and self._later is not None:
             phase = self._later[STEP if src.data_ptr() in self._step_written else FORWARD]
             check = (len(phase) + self._turn) % self._stride == 0
-            record = _Copy(dst, src, label, check)
-            phase.append(record)
+            phase.append(_Copy(dst, src, label, check))
         else:
-            record = _Copy(dst, src, label)
             _copy_now(dst, src)
-            self._device_now = self._device_now or not record.on_cpu
-        self._filled[id(dst)] = record
+            self._device_now = self._device_now or dst.is_cuda or src.is_cuda
         return dst
 
-    @staticmethod
-    def _unchanged(last, dst, src):
-        return (last.dst is dst and last.on_cpu and not src.is_cuda
-                and _same_storage(last.src, src) and src._version == last.version
-                and np.array_equal(fingerprint(src), fingerprint(dst)))
-
     def launch(self):
-        """The save is done: start the deferred copies (the forward's first); forget
-        buffers no longer in use."""
-        self._records, later, self._later = self._filled, self._later or ([], []), None
+        """The save is done: start the deferred copies (the forward's first)."""
+        later, self._later = self._later or ([], []), None
         self._sources, self._step_written = {}, ()
         self._turn += 1
         self._stride = max(1, -(-sum(map(len, later)) // FINGERPRINTS_PER_COMMIT))
@@ -284,7 +256,6 @@ class CommitCopies:
             changed = [c for c in phase.cpu if not c.holds_commit()]
         if changed:
             self._phases = []
-            self._records = {}
             names = ", ".join(c.label for c in changed[:5])
             more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
             raise CommitCopyError(

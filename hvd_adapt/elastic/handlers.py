@@ -30,9 +30,9 @@ def snapshot(value, previous=None, to_host=False, copies=None, deferred=(), labe
     ``to_host``, GPU tensors are copied into page-locked host memory instead
     (a commit then holds no second copy on the GPU). With ``copies`` (a
     :class:`~hvd_adapt.elastic.commit_copies.CommitCopies`, during a commit)
-    the copies go through it: skipped where unchanged, and made after the
-    commit returns for tensors whose storage address is in ``deferred``
-    (what only an optimizer step writes); ``label`` names the value in errors.
+    the copies go through it, made after the commit returns for tensors whose
+    storage address is in ``deferred`` (what only an optimizer step writes);
+    ``label`` names the value in errors.
 
     >>> import torch
     >>> first = snapshot({"w": torch.zeros(2), "step": 1})

@@ -241,29 +241,23 @@ def test_loading_the_optimizer_waits_for_the_commit_as_torch_optimizers_do():
     assert_bitwise(everything(model, opt, ema), committed)
 
 
-def test_what_did_not_change_is_not_copied_again_and_what_changed_through_data_is(monkeypatch):
+def test_a_frozen_weight_changed_through_data_between_commits_is_restored_as_committed():
+    # One element of a frozen conv weight changed through .data (its version counter does not
+    # move), away from the elements a fingerprint samples: the next commit must still copy it
+    # (a commit that skipped it as unchanged restored the value of the commit before).
     state, model, opt, ema = make_job(frozen=True)
     step(model, opt, ema, 0)
     state.commit()
-    real, copied = commit_copies._copy_on_cpu, []
-
-    def counted(dst, src):
-        copied.append(src.data_ptr())
-        real(dst, src)
-
-    monkeypatch.setattr(commit_copies, "_copy_on_cpu", counted)
+    state.wait_for_commit()
+    flat = model[0].weight.data.permute(0, 2, 3, 1).view(-1)     # channels_last: dense so
+    sampled = set(range(0, flat.numel(), max(flat.numel() // commit_copies.FINGERPRINT_ELEMENTS,
+                                             1)))
+    element = next(i for i in range(flat.numel()) if i not in sampled)
+    flat[element] += 1
     step(model, opt, ema, 1)
     state.commit()
-    state.wait_for_commit()
-    # (Its bias, 64 elements, is copied: cheaper than comparing.)
-    assert model[0].weight.data_ptr() not in copied
-    assert model[4].weight.data_ptr() in copied
-    # A write the version counter misses changes the fingerprint: copied at the next commit.
-    model[0].weight.data.add_(1)
-    step(model, opt, ema, 2)
-    state.commit()
     committed = everything(model, opt, ema)
-    step(model, opt, ema, 3)
+    step(model, opt, ema, 2)
     state.restore()
     assert_bitwise(everything(model, opt, ema), committed)
 
