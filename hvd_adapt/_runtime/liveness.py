@@ -12,7 +12,7 @@ names its evidence (the caller logs it). Three places act on these rules:
   that carried the command, ended); the rendezvous server refuses connections
   (horovodrun's process is gone); or its peers reset (their marker on the
   server) while the worker is stopped (``/proc`` state T) or its own heartbeat
-  (a thread of the training process) is silent while its main thread uses no
+  (a thread of the training process) is silent while the process uses no
   CPU. A worker that computes beats and is never ended, however long it
   computes alone: it joins its peers' reset when its next collective fails, as
   in plain Horovod. A server that says nothing (an outage of the launcher's
@@ -38,8 +38,10 @@ BEAT_SECONDS = 0.25
 # A heartbeat is silent once it has not beaten for this long (20 beats): a thread starved by
 # a loaded machine for a moment is not a wedged interpreter.
 SILENT_SECONDS = 5.0
-# CPU time (s) the main thread may use during that silence and still count as idle: a thread
-# blocked on a lock uses none, one computing in C while it holds the GIL uses all of it.
+# CPU time (s) the process may use during that silence and still count as idle: a thread
+# blocked on a lock uses none, one computing in C while it holds the GIL uses all of it. The
+# whole process, not its main thread: the thread that holds the GIL may be any (a prefetch
+# thread sorting or parsing an index while the main thread waits for it).
 IDLE_CPU_SECONDS = 0.1
 # Refusals in a row that end the worker: one refusal may be a port's hiccup, two a second
 # apart are a launcher that is gone.
@@ -49,10 +51,10 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def process_state(pid):
-    """``(state letter, CPU seconds of its main thread)`` of process ``pid`` from ``/proc``,
-    or ``(None, None)`` where it is gone."""
+    """``(state letter of its main thread, CPU seconds of all its threads, ended ones
+    included)`` of process ``pid`` from ``/proc``, or ``(None, None)`` where it is gone."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None, None
@@ -70,7 +72,7 @@ class Judge:
         self.refusals = 0
         self.beats = None            # the heartbeat's last value seen,
         self.beat_at = None          # when it changed,
-        self.cpu_at_beat = None      # and the main thread's CPU seconds then
+        self.cpu_at_beat = None      # and the process's CPU seconds then
 
     def observe(self, now, closed_streams=(), reached="answered", marker=False, beats=0,
                 state="S", cpu=0.0):
@@ -80,7 +82,7 @@ class Judge:
         ``reached``: the poll of the server ``"answered"``, was ``"refused"`` or met
         ``"silent"``; ``marker``: the peers' reset marker was on it; ``beats``: the
         worker's heartbeat counter; ``state``, ``cpu``: its ``/proc`` state letter and
-        its main thread's CPU seconds."""
+        its CPU seconds (all its threads)."""
         if beats != self.beats:
             self.beats, self.beat_at, self.cpu_at_beat = beats, now, cpu
         if closed_streams:
@@ -98,7 +100,7 @@ class Judge:
             return f"it is stopped (/proc state {state}) while its peers reset"
         silent = now - self.beat_at
         if silent >= self.silent_seconds and cpu - self.cpu_at_beat < IDLE_CPU_SECONDS:
-            return (f"its heartbeat has been silent for {silent:.0f} s and its main thread "
+            return (f"its heartbeat has been silent for {silent:.0f} s and the process "
                     f"used {cpu - self.cpu_at_beat:.2f} s of CPU meanwhile (a wedged "
                     "interpreter), while its peers reset")
         return None

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from hvd_adapt._runtime import liveness
@@ -22,8 +23,8 @@ def test_a_computing_worker_is_never_ended_however_long_its_peers_wait():
 
 
 def test_a_worker_computing_while_it_holds_the_gil_is_not_wedged():
-    # A long C call that holds the GIL silences the heartbeat thread, but the main thread
-    # uses the CPU: it computes.
+    # A long C call that holds the GIL silences the heartbeat thread, but the process uses
+    # the CPU: it computes.
     judge = liveness.Judge()
     assert judge.observe(0, marker=True, beats=1, cpu=0.0) is None
     assert all(reason is None for reason in
@@ -103,11 +104,18 @@ def test_a_silent_host_is_lost_only_when_its_peers_reset_without_it():
     assert lost and "while the job's workers reset without it" in reason
 
 
-def test_process_state_reads_the_main_thread():
+def test_process_state_counts_the_cpu_of_every_thread():
     state, cpu = liveness.process_state(os.getpid())
     assert state == "R"
     sum(range(3 * 10 ** 7))     # computes in C, holding the GIL
     assert liveness.process_state(os.getpid())[1] > cpu
+    # Another thread holds the GIL and computes while the main thread waits for it: the
+    # judge must not count the process idle.
+    cpu = liveness.process_state(os.getpid())[1]
+    computing = threading.Thread(target=lambda: sum(range(10 ** 8)))
+    computing.start()
+    computing.join()
+    assert liveness.process_state(os.getpid())[1] - cpu >= liveness.IDLE_CPU_SECONDS
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)

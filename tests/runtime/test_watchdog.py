@@ -37,6 +37,13 @@ WORKER = textwrap.dedent("""
     if sys.argv[3] == "wedged":
         import ctypes
         ctypes.PyDLL(None).sleep(600)   # holds the GIL, uses no CPU: a wedged interpreter
+    if sys.argv[3] == "thread_computes":
+        # Another thread computes in C, holding the GIL (a sort, a json.loads of a large
+        # index in a prefetch thread); the main thread only waits for it.
+        import threading
+        computing = threading.Thread(target=lambda: sum(range(10 ** 13)))
+        computing.start()
+        computing.join()
     time.sleep(600)
 """)
 
@@ -85,6 +92,14 @@ def test_a_wedged_worker_is_ended_once_its_peers_reset(store):
 def test_a_worker_that_beats_is_never_ended_while_its_peers_reset(store):
     store.put(RESET_SCOPE, RESET_KEY, b"1")
     proc, _ = stand_in_worker(store.address, store.port)
+    assert still_running(proc, polls=2 * liveness.SILENT_SECONDS)
+
+
+def test_a_worker_whose_other_thread_computes_holding_the_gil_is_not_wedged(store):
+    # Its heartbeat is silent and its main thread idle, but the process uses the CPU: it
+    # computes, and is never ended however long its peers reset.
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    proc, _ = stand_in_worker(store.address, store.port, "thread_computes")
     assert still_running(proc, polls=2 * liveness.SILENT_SECONDS)
 
 
