@@ -24,8 +24,9 @@ How it tells the script's end from the driver's giving up, on evidence:
 - every rank of one world left a script-end record (``hvd_adapt.run``
   writes one when an error or exit of the script's own leaves the training
   function: see :mod:`hvd_adapt._runtime.script_end`): the script ended
-  (its own error, a drain after SIGTERM); exit with its code (rank 0's: 1
-  for an exception, 143 for a drain), not restarted. A record from some
+  (its own error, a drain after SIGTERM); exit with its code (the lowest
+  rank's that is not 0: 1 for an exception, 143 for a drain; horovodrun's
+  where every rank said 0), not restarted. A record from some
   ranks only is a worker's failure, as Horovod treats it.
 - ``hvd-adapt-run`` was asked to stop (SIGTERM, SIGINT): it passed the signal
   to horovodrun, which passes it to the workers (they drain where the
@@ -359,7 +360,8 @@ class JobSupervisor:
             return False, 0, "the script finished"
         ended = output.script_ended()
         if ended is not None:
-            return False, ended[0], f"the script ended: {ended[1]}"
+            # horovodrun failed, so the job did: never 0, even where every rank said 0.
+            return False, ended[0] or code, f"the script ended: {ended[1]}"
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name
             return False, code, f"stopped by {name} (passed on to horovodrun)"

@@ -151,8 +151,9 @@ class RunOutput:
 
     def script_ended(self):
         """Where every rank of one world (a size and a commit: ranks 0 to size - 1 at the same
-        generation) left a script-end record, ``(code, description)`` with rank 0's exit code
-        and error; else None."""
+        generation) left a script-end record, ``(code, description)`` with the exit code and
+        error of the lowest rank that did not exit 0 (rank 0's where all did: a rank's sys.exit(0)
+        beside another's error is no success); else None."""
         with self._lock:
             worlds = {}
             for record in self.records:
@@ -160,9 +161,10 @@ class RunOutput:
                 worlds.setdefault(key, {})[record["rank"]] = record
         for (size, generation), ranks in worlds.items():
             if size > 0 and set(ranks) == set(range(size)):
-                first = ranks[0]
+                first = next((ranks[r] for r in range(size) if ranks[r]["code"]), ranks[0])
                 return first["code"], (f"every rank of the world of {size} ended its script at "
-                                       f"commit {generation}; rank 0: {first['error']}")
+                                       f"commit {generation}; rank {first['rank']}: "
+                                       f"{first['error']}")
         return None
 
     def records_said(self):

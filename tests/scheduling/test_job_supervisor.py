@@ -135,6 +135,18 @@ def test_what_each_end_of_a_run_means(tmp_path):
     assert supervisor.judge(1, output(gave_up))[:2] == (False, 1)
 
 
+def test_a_script_that_exits_0_on_some_ranks_and_raises_on_others_is_no_success(tmp_path):
+    # Rank 0 leaves with sys.exit(0), rank 1 raises: horovodrun fails, and so must the job.
+    supervisor = JobSupervisor(["horovodrun"], lock_path=str(tmp_path / "job.lock"))
+    records = [format_record("tok", 0, 2, 9, SystemExit(0)).strip(),
+               "[1]<stderr>:" + format_record("tok", 1, 2, 9, ValueError("bug")).strip()]
+    restart, code, why = supervisor.judge(1, output(*records))
+    assert not restart and code == 1 and "rank 1: ValueError: bug" in why
+    # Every rank said 0 but horovodrun failed after: its code, never 0.
+    zeros = [format_record("tok", rank, 2, 9, SystemExit(0)).strip() for rank in (0, 1)]
+    assert supervisor.judge(3, output(*zeros))[:2] == (False, 3)
+
+
 def test_the_supervisor_loads_no_training_stack():
     code = ("import sys, hvd_adapt.scheduling.job_supervisor\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'horovod', 'numpy'}))")
