@@ -434,6 +434,17 @@ def _signal(pid, sig):
         pass
 
 
+def _restart_budget(text):
+    """``--max-restarts``'s value; a usage error names the bad value and the range."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def parser():
     """``hvd-adapt-run``'s command line."""
     p = argparse.ArgumentParser(
@@ -441,7 +452,8 @@ def parser():
         description="Run a horovodrun command (after --) and launch it again from the job's "
                     "last checkpoint when Horovod's driver gives up while the job could go "
                     "on (see hvd_adapt.scheduling.job_supervisor).")
-    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+    p.add_argument("--max-restarts", type=_restart_budget, default=DEFAULT_MAX_RESTARTS,
+                   metavar="N",
                    help="restarts allowed over the whole job (default %(default)s)")
     p.add_argument("--lock", default=None, metavar="PATH",
                    help="the job's lock file (default: one per command line and working "
@@ -460,8 +472,6 @@ def parse(p, argv=None):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("the horovodrun command is missing (give it after --)")
-    if args.max_restarts < 0:
-        p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     return args, command
 
 

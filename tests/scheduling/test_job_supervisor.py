@@ -92,7 +92,9 @@ def test_sigterm_is_passed_on_and_nothing_is_launched_again(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--max-restarts", "-1", "--", "true"], "--max-restarts must be >= 0, got -1"),
+    (["--max-restarts", value, "--", "true"],
+     f"argument --max-restarts: must be a whole number >= 0, got '{value}'")
+    for value in ("-1", "1.5", "three")] + [
     ([], "the horovodrun command is missing (give it after --)"),
     (["--"], "the horovodrun command is missing (give it after --)"),
 ])
