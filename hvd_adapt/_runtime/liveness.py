@@ -11,7 +11,8 @@ names its evidence (the caller logs it). Three places act on these rules:
   (its standard output or error has no reader any more: horovodrun, or the ssh
   that carried the command, ended); the rendezvous server refuses connections
   (horovodrun's process is gone); or its peers reset (their marker on the
-  server) while the worker is stopped (``/proc`` state T) or its own heartbeat
+  server) while the worker is stopped (``/proc`` state T, its heartbeat silent
+  since the poll before: not a profiler's pause of a moment) or its own heartbeat
   (a thread of the training process) is silent while the process uses no
   CPU. A worker that computes beats and is never ended, however long it
   computes alone: it joins its peers' reset when its next collective fails, as
@@ -96,9 +97,13 @@ class Judge:
             # Peers training, or the launcher out of reach (nothing said about the peers):
             # however long, nothing shows that this worker holds anyone up.
             return None
-        if state in ("T", "t"):
-            return f"it is stopped (/proc state {state}) while its peers reset"
         silent = now - self.beat_at
+        # Stopped, and stopped since the last poll at least (its heartbeat has not beaten
+        # since): a profiler's samples (py-spy pauses the process for each) and cpulimit's
+        # SIGSTOP/SIGCONT leave it stopped for moments, and it goes on between them.
+        if state in ("T", "t") and silent > 0:
+            return (f"it is stopped (/proc state {state}) while its peers reset (its heartbeat "
+                    f"silent for {silent:.0f} s)")
         if silent >= self.silent_seconds and cpu - self.cpu_at_beat < IDLE_CPU_SECONDS:
             return (f"its heartbeat has been silent for {silent:.0f} s and the process "
                     f"used {cpu - self.cpu_at_beat:.2f} s of CPU meanwhile (a wedged "

@@ -52,7 +52,17 @@ def test_a_stopped_worker_is_ended_only_once_its_peers_reset():
     assert polls(judge, 0, 30, state="T", beats=1) == [None] * 30
     assert "stopped (/proc state T) while its peers reset" in judge.observe(
         30, marker=True, state="T", beats=1)
-    assert "state t" in liveness.Judge().observe(0, marker=True, state="t")
+    judge = liveness.Judge()
+    assert judge.observe(0, marker=True, state="t", beats=1) is None
+    assert "state t" in judge.observe(1, marker=True, state="t", beats=1)
+
+
+def test_a_worker_seen_stopped_whose_heartbeat_beats_is_not_stopped():
+    # A profiler's samples pause it for moments (state t), and it beats between them.
+    judge = liveness.Judge()
+    assert judge.observe(0, marker=True, state="t", beats=0) is None
+    assert all(judge.observe(t, marker=True, state="T", beats=t) is None
+               for t in range(1, 3600))
 
 
 def test_a_launcher_that_does_not_answer_ends_nothing_however_long():

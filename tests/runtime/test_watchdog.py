@@ -83,6 +83,21 @@ def test_a_stopped_worker_is_ended_once_its_peers_reset(store):
     assert "stopped (/proc state T) while its peers reset" in ended(proc)
 
 
+def test_a_worker_paused_for_moments_is_not_stopped(store):
+    # A sampling profiler (py-spy pauses the process at each sample) or cpulimit (SIGSTOP and
+    # SIGCONT in turn) leaves it in state T or t for moments: a poll may see it stopped,
+    # yet it goes on, its heartbeat beating between the pauses.
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    proc, _ = stand_in_worker(store.address, store.port)
+    deadline = time.monotonic() + 8 * liveness.POLL_SECONDS
+    while time.monotonic() < deadline and proc.poll() is None:
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    assert still_running(proc, polls=1), proc.stderr.read()
+
+
 def test_a_wedged_worker_is_ended_once_its_peers_reset(store):
     proc, _ = stand_in_worker(store.address, store.port, "wedged")
     store.put(RESET_SCOPE, RESET_KEY, b"1")
