@@ -39,11 +39,13 @@ BEAT_SECONDS = 0.25
 # A heartbeat is silent once it has not beaten for this long (20 beats): a thread starved by
 # a loaded machine for a moment is not a wedged interpreter.
 SILENT_SECONDS = 5.0
-# CPU time (s) the process may use during that silence and still count as idle: a thread
-# blocked on a lock uses none, one computing in C while it holds the GIL uses all of it. The
-# whole process, not its main thread: the thread that holds the GIL may be any (a prefetch
-# thread sorting or parsing an index while the main thread waits for it).
-IDLE_CPU_SECONDS = 0.1
+# The share of a core the process may use, on average over that silence, and still count as
+# idle: a thread blocked on a lock uses none, one computing in C while it holds the GIL uses
+# all of a core. The whole process, not its main thread: the thread that holds the GIL may
+# be any (a prefetch thread sorting or parsing an index while the main thread waits for
+# it). A share, not an amount: a wedged interpreter's other threads still wake for the GIL
+# every 5 ms (16 of them use 1.4% of a core), which adds up over a long silence.
+IDLE_CPU_SHARE = 0.1
 # Refusals in a row that end the worker: one refusal may be a port's hiccup, two a second
 # apart are a launcher that is gone.
 REFUSALS = 2
@@ -104,10 +106,11 @@ class Judge:
         if state in ("T", "t") and silent > 0:
             return (f"it is stopped (/proc state {state}) while its peers reset (its heartbeat "
                     f"silent for {silent:.0f} s)")
-        if silent >= self.silent_seconds and cpu - self.cpu_at_beat < IDLE_CPU_SECONDS:
+        used = cpu - self.cpu_at_beat
+        if silent >= self.silent_seconds and used < IDLE_CPU_SHARE * silent:
             return (f"its heartbeat has been silent for {silent:.0f} s and the process "
-                    f"used {cpu - self.cpu_at_beat:.2f} s of CPU meanwhile (a wedged "
-                    "interpreter), while its peers reset")
+                    f"used {used:.2f} s of CPU meanwhile (under {IDLE_CPU_SHARE:.0%} of a "
+                    "core: a wedged interpreter), while its peers reset")
         return None
 
 

@@ -40,6 +40,17 @@ def test_a_wedged_worker_is_ended_once_its_peers_reset():
     assert "heartbeat has been silent for 20 s" in reason and "while its peers reset" in reason
 
 
+def test_a_wedged_worker_whose_threads_wait_for_the_gil_is_ended_however_long_its_silence():
+    # The process's other threads wake for the GIL every 5 ms (16 of them: 0.07 s of CPU
+    # in 5 s, measured here): a little CPU that adds up over a long silence, and no
+    # computing.
+    judge = liveness.Judge(silent_seconds=5)
+    assert judge.observe(0, beats=7, cpu=3.0) is None
+    assert polls(judge, 1, 600, beats=7, cpu=3.0) == [None] * 599
+    assert "heartbeat has been silent for 600 s" in judge.observe(
+        600, marker=True, beats=7, cpu=3.0 + 0.014 * 600)
+
+
 def test_a_heartbeat_that_beats_again_restarts_the_count():
     judge = liveness.Judge(silent_seconds=5)
     assert polls(judge, 0, 4, marker=True, beats=1) == [None] * 4
@@ -121,11 +132,12 @@ def test_process_state_counts_the_cpu_of_every_thread():
     assert liveness.process_state(os.getpid())[1] > cpu
     # Another thread holds the GIL and computes while the main thread waits for it: the
     # judge must not count the process idle.
-    cpu = liveness.process_state(os.getpid())[1]
+    cpu, started = liveness.process_state(os.getpid())[1], time.monotonic()
     computing = threading.Thread(target=lambda: sum(range(10 ** 8)))
     computing.start()
     computing.join()
-    assert liveness.process_state(os.getpid())[1] - cpu >= liveness.IDLE_CPU_SECONDS
+    used = liveness.process_state(os.getpid())[1] - cpu
+    assert used >= liveness.IDLE_CPU_SHARE * (time.monotonic() - started)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
