@@ -29,8 +29,10 @@ import time
 
 from .._runtime.script_end import read_record
 
+# Where a line ends: horovodrun's prefixer ends a worker's at either (LineSplitter).
+_LINE_END = re.compile(rb"[\r\n]")
 # A line longer than this is cut: the evidence sits in short lines, and a script's
-# progress bar without newlines must not grow the buffer without bound.
+# output without line ends must not grow the buffer without bound.
 LINE_LIMIT = 1 << 16
 
 # The driver's sentences (horovod/runner/elastic/registration.py and driver.py, 0.28),
@@ -178,7 +180,12 @@ class RunOutput:
 
 
 class LineSplitter:
-    """Bytes of one stream in, lines out (decoded, without their end) to ``on_line``."""
+    """Bytes of one stream in, lines out (decoded, without their end, empty ones left out) to
+    ``on_line``. A line ends at a newline or a carriage return, as horovodrun's prefixer
+    (safe_shell_exec.prefix_connection) ends a worker's: a progress bar's updates (tqdm's,
+    on standard error, end with none but the next one's carriage return) are lines of their
+    own, each with its rank's prefix, and the driver's sentence or a script-end record
+    written after the last is a line of its own, not the tail of a bar's endless line."""
 
     def __init__(self, on_line):
         self.on_line = on_line
@@ -188,7 +195,8 @@ class LineSplitter:
     def feed(self, data):
         self._partial += data
         while True:
-            end = self._partial.find(b"\n")
+            end = _LINE_END.search(self._partial)
+            end = -1 if end is None else end.start()
             if end < 0:
                 if len(self._partial) > LINE_LIMIT:
                     # Keep the line's start (where its evidence is), drop the rest of it.
@@ -210,4 +218,5 @@ class LineSplitter:
             self._partial = bytearray()
 
     def _emit(self, line):
-        self.on_line(line.decode("utf-8", "replace").rstrip("\r"))
+        if line:
+            self.on_line(line.decode("utf-8", "replace"))
