@@ -132,8 +132,9 @@ def host_lost(host, silent_for, probes, lost_after, min_probes, peers_reset, oth
     to ``probes`` probes of its port over ``silent_for`` seconds: lost only after
     ``lost_after`` s and ``min_probes`` probes, and only where ``peers_reset`` (the job's
     workers reset while it said nothing) and ``others_answer`` (another host of the job
-    answered these probes): a host that is silent while nobody resets, or while every host
-    is, is the launcher's link down, and its workers train on with their peers."""
+    answered these probes, or the launcher runs a worker on its own host): a host that is
+    silent while nobody resets, or while every host is, is the launcher's link down, and its
+    workers train on with their peers."""
     if probes < min_probes or silent_for < lost_after:
         return False, None
     if not others_answer:
