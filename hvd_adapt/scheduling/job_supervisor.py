@@ -244,7 +244,7 @@ class JobSupervisor:
     def __init__(self, command, max_restarts=DEFAULT_MAX_RESTARTS, lock_path=None):
         self.command = list(command)
         self.max_restarts = max_restarts
-        self.lock_path = lock_path or default_lock_path(self.command, os.getcwd())
+        self.lock_path = lock_path      # None: default_lock_path's, found in run()
         self.stop_signal = None
         self.lost_every_worker = False   # the last run's horovodrun was killed for it
         self._proc = None
@@ -383,9 +383,16 @@ class JobSupervisor:
         """Hold the job's lock and run the command until its script ends, the restart budget
         is spent or a signal stops it; returns the exit code."""
         try:
+            if self.lock_path is None:
+                # In this user's runtime folder, which another local user may have planted.
+                self.lock_path = default_lock_path(self.command, os.getcwd())
             self._lock_fd = take_lock(self.lock_path, self.command)
         except (JobLocked, UnsafePathError) as e:
             log.error("%s", e)
+            return 1
+        except OSError as e:      # a folder, a missing folder, no permission
+            log.error("cannot take the job's lock %s: %s; not starting the job",
+                      self.lock_path, e.strerror or e)
             return 1
         self._set_death_signal = death_signal_setter(signal.SIGTERM)
         become_subreaper()
@@ -472,6 +479,8 @@ def parse(p, argv=None):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("the horovodrun command is missing (give it after --)")
+    if args.lock == "":
+        p.error("--lock must name a file, got ''")
     return args, command
 
 

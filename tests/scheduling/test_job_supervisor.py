@@ -16,6 +16,7 @@ from hvd_adapt.scheduling.job_supervisor import JobSupervisor
 from hvd_adapt.scheduling.launcher_output import LineSplitter, RunOutput
 from hvd_adapt._runtime.script_end import format_record
 from support.launch import alive
+from support.second_user import OTHER_UID, as_other_user
 
 SUPERVISOR = [sys.executable, "-m", "hvd_adapt.scheduling.job_supervisor"]
 
@@ -95,6 +96,7 @@ def test_sigterm_is_passed_on_and_nothing_is_launched_again(tmp_path):
     (["--max-restarts", value, "--", "true"],
      f"argument --max-restarts: must be a whole number >= 0, got '{value}'")
     for value in ("-1", "1.5", "three")] + [
+    (["--lock", "", "--", "true"], "--lock must name a file, got ''"),
     ([], "the horovodrun command is missing (give it after --)"),
     (["--"], "the horovodrun command is missing (give it after --)"),
 ])
@@ -102,6 +104,28 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         job_supervisor.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a folder", "in a missing folder"])
+def test_a_lock_that_cannot_be_taken_is_named(tmp_path, where):
+    lock = tmp_path if where == "a folder" else tmp_path / "missing" / "job.lock"
+    result = subprocess.run(SUPERVISOR + ["--lock", str(lock), "--", "touch", "ran"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot take the job's lock {lock}:" in result.stderr, result.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_runtime_folder_another_user_made_first_is_a_clear_error(tmp_path, shared_tmp):
+    # The default lock's folder, <tmp>/hvd_adapt-<uid>, planted by another local user.
+    ours = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}")
+    as_other_user(lambda: os.mkdir(ours))
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    result = subprocess.run(SUPERVISOR + ["--", "touch", "ran"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(env, TMPDIR=shared_tmp))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"belongs to uid {OTHER_UID}" in result.stderr and not (tmp_path / "ran").exists()
 
 
 def test_a_command_that_cannot_run_says_so(tmp_path):
