@@ -117,6 +117,18 @@ class JobLocked(RuntimeError):
     """Another copy of the job holds its lock; the message names it."""
 
 
+def _open_standard_streams():
+    """Put /dev/null on each of descriptors 0-2 that is closed (a daemon's, a cron line's
+    ``>&-``), so that no file opened later takes a standard stream's number: the lock on
+    descriptor 1 would be overwritten by the job's output, and horovodrun's standard output
+    would replace the lock it inherits."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)      # the lowest free descriptor: this one
+
+
 def take_lock(path, command):
     """Hold the job's lock at ``path`` (its descriptor) and write who holds it into the
     file; :class:`JobLocked` naming the holder where another copy runs."""
@@ -382,6 +394,7 @@ class JobSupervisor:
     def run(self):
         """Hold the job's lock and run the command until its script ends, the restart budget
         is spent or a signal stops it; returns the exit code."""
+        _open_standard_streams()
         try:
             if self.lock_path is None:
                 # In this user's runtime folder, which another local user may have planted.

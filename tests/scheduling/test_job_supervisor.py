@@ -3,6 +3,7 @@ jobs are in tests/distributed/test_job_supervisor.py): what a run leaves behind 
 before the next, a supervisor that dies stops its command and keeps the job locked until
 that ends, signals are passed on and stop the restarts, and the decisions it takes on a
 run's end."""
+import json
 import os
 import signal
 import subprocess
@@ -126,6 +127,21 @@ def test_a_runtime_folder_another_user_made_first_is_a_clear_error(tmp_path, sha
                             env=dict(env, TMPDIR=shared_tmp))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"belongs to uid {OTHER_UID}" in result.stderr and not (tmp_path / "ran").exists()
+
+
+def test_a_supervisor_started_with_its_output_closed_keeps_the_lock_apart(tmp_path):
+    # Started with standard output closed (a daemon's, a cron line's >&-): the lock file must
+    # not take descriptor 1, where the job's output would overwrite the holder's record and
+    # horovodrun's own standard output would replace the lock it should inherit.
+    lock = tmp_path / "job.lock"
+    holds = (f'echo job output; for f in /proc/$$/fd/*; do [ "$(readlink "$f")" = "{lock}" ] '
+             '&& exit 0; done; exit 3')
+    command = " ".join(f"'{a}'" for a in SUPERVISOR + ["--lock", str(lock), "--", "sh", "-c",
+                                                       holds])
+    result = subprocess.run(["sh", "-c", f"exec {command} 1>&-"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(lock.read_text())["pid"] > 0
 
 
 def test_a_command_that_cannot_run_says_so(tmp_path):
