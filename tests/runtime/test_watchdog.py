@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 
@@ -154,6 +155,28 @@ def test_a_worker_without_a_standard_output_is_watched_on_the_rest(store):
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_worker_that_finds_hvd_adapt_on_its_own_path_gets_its_watchdog(store, tmp_path):
+    # hvd_adapt not installed: the script puts the project's checkout on its sys.path (as
+    # research code does), so the watchdog must import it from there as well. The base
+    # interpreter, with the packages of this one but not their .pth files (hvd_adapt's
+    # editable install), is such an environment.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(liveness.__file__)))
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
+    python = os.path.realpath(sys.executable)
+    probe = subprocess.run([python, "-c", "import hvd_adapt"], cwd=tmp_path, env=env,
+                           capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("hvd_adapt is importable here without the script's path")
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(root)!r})\n" + WORKER
+    proc = subprocess.Popen([python, "-c", code, store.address, str(store.port), "training"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), proc.stderr.read() if proc.wait(60) is not None else line
+    proc.stdout.close()     # the launcher goes: its watchdog, running, ends it
+    assert "the launcher's session to it is gone" in ended(proc)
 
 
 def test_a_watchdog_told_nothing_to_watch_ends(store):
