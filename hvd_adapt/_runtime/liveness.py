@@ -11,8 +11,9 @@ names its evidence (the caller logs it). Three places act on these rules:
   (its standard output or error has no reader any more: horovodrun, or the ssh
   that carried the command, ended); the rendezvous server refuses connections
   (horovodrun's process is gone); or its peers reset (their marker on the
-  server) while the worker is stopped (``/proc`` state T) or its own heartbeat
-  (a thread of the training process) is silent while its main thread uses no
+  server) while the worker is stopped (``/proc`` state T, its heartbeat silent
+  since the poll before: not a profiler's pause of a moment) or its own heartbeat
+  (a thread of the training process) is silent while the process uses no
   CPU. A worker that computes beats and is never ended, however long it
   computes alone: it joins its peers' reset when its next collective fails, as
   in plain Horovod. A server that says nothing (an outage of the launcher's
@@ -38,9 +39,13 @@ BEAT_SECONDS = 0.25
 # A heartbeat is silent once it has not beaten for this long (20 beats): a thread starved by
 # a loaded machine for a moment is not a wedged interpreter.
 SILENT_SECONDS = 5.0
-# CPU time (s) the main thread may use during that silence and still count as idle: a thread
-# blocked on a lock uses none, one computing in C while it holds the GIL uses all of it.
-IDLE_CPU_SECONDS = 0.1
+# The share of a core the process may use, on average over that silence, and still count as
+# idle: a thread blocked on a lock uses none, one computing in C while it holds the GIL uses
+# all of a core. The whole process, not its main thread: the thread that holds the GIL may
+# be any (a prefetch thread sorting or parsing an index while the main thread waits for
+# it). A share, not an amount: a wedged interpreter's other threads still wake for the GIL
+# every 5 ms (16 of them use 1.4% of a core), which adds up over a long silence.
+IDLE_CPU_SHARE = 0.1
 # Refusals in a row that end the worker: one refusal may be a port's hiccup, two a second
 # apart are a launcher that is gone.
 REFUSALS = 2
@@ -49,10 +54,10 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def process_state(pid):
-    """``(state letter, CPU seconds of its main thread)`` of process ``pid`` from ``/proc``,
-    or ``(None, None)`` where it is gone."""
+    """``(state letter of its main thread, CPU seconds of all its threads, ended ones
+    included)`` of process ``pid`` from ``/proc``, or ``(None, None)`` where it is gone."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None, None
@@ -70,7 +75,7 @@ class Judge:
         self.refusals = 0
         self.beats = None            # the heartbeat's last value seen,
         self.beat_at = None          # when it changed,
-        self.cpu_at_beat = None      # and the main thread's CPU seconds then
+        self.cpu_at_beat = None      # and the process's CPU seconds then
 
     def observe(self, now, closed_streams=(), reached="answered", marker=False, beats=0,
                 state="S", cpu=0.0):
@@ -80,7 +85,7 @@ class Judge:
         ``reached``: the poll of the server ``"answered"``, was ``"refused"`` or met
         ``"silent"``; ``marker``: the peers' reset marker was on it; ``beats``: the
         worker's heartbeat counter; ``state``, ``cpu``: its ``/proc`` state letter and
-        its main thread's CPU seconds."""
+        its CPU seconds (all its threads)."""
         if beats != self.beats:
             self.beats, self.beat_at, self.cpu_at_beat = beats, now, cpu
         if closed_streams:
@@ -94,13 +99,18 @@ class Judge:
             # Peers training, or the launcher out of reach (nothing said about the peers):
             # however long, nothing shows that this worker holds anyone up.
             return None
-        if state in ("T", "t"):
-            return f"it is stopped (/proc state {state}) while its peers reset"
         silent = now - self.beat_at
-        if silent >= self.silent_seconds and cpu - self.cpu_at_beat < IDLE_CPU_SECONDS:
-            return (f"its heartbeat has been silent for {silent:.0f} s and its main thread "
-                    f"used {cpu - self.cpu_at_beat:.2f} s of CPU meanwhile (a wedged "
-                    "interpreter), while its peers reset")
+        # Stopped, and stopped since the last poll at least (its heartbeat has not beaten
+        # since): a profiler's samples (py-spy pauses the process for each) and cpulimit's
+        # SIGSTOP/SIGCONT leave it stopped for moments, and it goes on between them.
+        if state in ("T", "t") and silent > 0:
+            return (f"it is stopped (/proc state {state}) while its peers reset (its heartbeat "
+                    f"silent for {silent:.0f} s)")
+        used = cpu - self.cpu_at_beat
+        if silent >= self.silent_seconds and used < IDLE_CPU_SHARE * silent:
+            return (f"its heartbeat has been silent for {silent:.0f} s and the process "
+                    f"used {used:.2f} s of CPU meanwhile (under {IDLE_CPU_SHARE:.0%} of a "
+                    "core: a wedged interpreter), while its peers reset")
         return None
 
 
@@ -122,8 +132,9 @@ def host_lost(host, silent_for, probes, lost_after, min_probes, peers_reset, oth
     to ``probes`` probes of its port over ``silent_for`` seconds: lost only after
     ``lost_after`` s and ``min_probes`` probes, and only where ``peers_reset`` (the job's
     workers reset while it said nothing) and ``others_answer`` (another host of the job
-    answered these probes): a host that is silent while nobody resets, or while every host
-    is, is the launcher's link down, and its workers train on with their peers."""
+    answered these probes, or the launcher runs a worker on its own host): a host that is
+    silent while nobody resets, or while every host is, is the launcher's link down, and its
+    workers train on with their peers."""
     if probes < min_probes or silent_for < lost_after:
         return False, None
     if not others_answer:

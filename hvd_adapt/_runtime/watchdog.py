@@ -110,6 +110,15 @@ def read_beats(page):
     return _PAGE.unpack_from(page, 0)[0]
 
 
+# The watchdog runs this module from the folder the worker imported hvd_adapt from, first on
+# its path: where the script put a checkout on its own sys.path (hvd_adapt not installed),
+# ``python -m`` alone found no hvd_adapt (or another copy of it), and the worker trained
+# unwatched or failed in watch() with a broken pipe.
+_BOOT = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+         f"runpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)")
+_PACKAGE_FOLDER = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def start():
     """Start this worker's heartbeat and its watchdog, which waits to be told what to watch
     (:meth:`Beacon.watch`); return the :class:`Beacon`. A standby starts it before its
@@ -119,7 +128,8 @@ def start():
     beacon.socket, theirs = socket.socketpair()
     with theirs:
         beacon.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--pid", str(os.getpid()), "--fd", str(beacon.fd)],
+            [sys.executable, "-c", _BOOT, _PACKAGE_FOLDER, "--pid", str(os.getpid()),
+             "--fd", str(beacon.fd)],
             pass_fds=(beacon.fd,), stdin=theirs, close_fds=True)
     return beacon
 

@@ -33,7 +33,8 @@ Horovod runs it every second and reads ``host:slots`` lines. Each run:
    lost: it has said nothing (no connection, no refusal) to every probe for
    ``--lost-after`` seconds (2 probes at least, each missed one probed
    again for 1.5 s) while the job's workers reset without it (their marker
-   on the rendezvous server) and another of its hosts answers: Horovod's
+   on the rendezvous server) and another of its hosts answers (the launcher's
+   own host among them, where it runs a worker): Horovod's
    driver waits for a lost worker's session to end before it forms the next
    world, and a host cut off silently never ends it (:mod:`.sessions`).
    Meanwhile, and for 6 s after, the offer stays as it is
@@ -150,19 +151,21 @@ def probe_hosts(args, hosts, second_chance):
             {host for host, value in said.items() if value is None})
 
 
-def end_lost_sessions(args, live, silent, unanswered, ended_at, now, problems):
+def end_lost_sessions(args, driver, live, silent, unanswered, ended_at, now, problems):
     """End the driver's sessions (``live``: ``{host: pids}``) to each host the job lost:
     it has said nothing (``silent``: no connection, no refusal) to every probe for
     ``--lost-after`` seconds and at least ``LOST_PROBES`` probes, and the job's workers
     reset without it (``_runtime/liveness.py``'s ``host_lost``; :mod:`.sessions` says
     why), noting when in ``ended_at``; the ``{host: [first missed at, probes missed]}`` to
-    remember for the hosts still being judged. A host that is silent while nobody resets
-    keeps its sessions (the launcher's own link is down; a line in ``problems`` says so),
+    remember for the hosts still being judged. Another host of the job answers where one
+    with sessions does, or where the ``driver`` runs a worker on its own host (it reaches
+    that one: ``horovodrun -H h1:1,h2:1`` run on h1). A host that is silent while nobody
+    resets keeps its sessions (the launcher's own link is down; a line in ``problems`` says so),
     and so does a host that refuses (it is up, its sshd restarting, say: its sessions may
     be fine, and a crashed host's own kernel ends them)."""
     from .._runtime.liveness import host_lost
-    from .sessions import end, peers_reset
-    judged, reset = {}, None
+    from .sessions import end, peers_reset, runs_a_worker_here
+    judged, reset, local = {}, None, None
     for host, pids in live.items():
         if host not in silent:
             continue
@@ -170,9 +173,10 @@ def end_lost_sessions(args, live, silent, unanswered, ended_at, now, problems):
         missed += 1
         if reset is None and missed >= LOST_PROBES and now - first >= args.lost_after:
             reset = peers_reset([pid for each in live.values() for pid in each])
+            local = runs_a_worker_here(driver, live)
+        others_answer = local or any(other not in silent for other in live)
         lost, reason = host_lost(host, now - first, missed, args.lost_after, LOST_PROBES,
-                                 reset, any(other not in silent for other in live),
-                                 args.ssh_port)
+                                 reset, others_answer, args.ssh_port)
         if lost:
             ended = end(pids)
             ended_at[host] = now
@@ -299,8 +303,8 @@ def discover(args, now=None):
                                     list(state.hosts) + list(live))
     ended_at = {host: at for host, at in state.ended.items()
                 if 0 <= now - at < FREEZE_AFTER_END}
-    unanswered = end_lost_sessions(args, live, silent, state.unanswered, ended_at, now,
-                                   problems)
+    unanswered = end_lost_sessions(args, driver, live, silent, state.unanswered, ended_at,
+                                   now, problems)
     # What every run remembers, whatever it answers.
     state = dataclasses.replace(state, watch=sorted(live), unanswered=unanswered,
                                 ended=ended_at, keepalive_checked=True)

@@ -24,8 +24,9 @@ How it tells the script's end from the driver's giving up, on evidence:
 - every rank of one world left a script-end record (``hvd_adapt.run``
   writes one when an error or exit of the script's own leaves the training
   function: see :mod:`hvd_adapt._runtime.script_end`): the script ended
-  (its own error, a drain after SIGTERM); exit with its code (rank 0's: 1
-  for an exception, 143 for a drain), not restarted. A record from some
+  (its own error, a drain after SIGTERM); exit with its code (the lowest
+  rank's that is not 0: 1 for an exception, 143 for a drain; horovodrun's
+  where every rank said 0), not restarted. A record from some
   ranks only is a worker's failure, as Horovod treats it.
 - ``hvd-adapt-run`` was asked to stop (SIGTERM, SIGINT): it passed the signal
   to horovodrun, which passes it to the workers (they drain where the
@@ -114,6 +115,18 @@ def default_lock_path(command, cwd):
 
 class JobLocked(RuntimeError):
     """Another copy of the job holds its lock; the message names it."""
+
+
+def _open_standard_streams():
+    """Put /dev/null on each of descriptors 0-2 that is closed (a daemon's, a cron line's
+    ``>&-``), so that no file opened later takes a standard stream's number: the lock on
+    descriptor 1 would be overwritten by the job's output, and horovodrun's standard output
+    would replace the lock it inherits."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)      # the lowest free descriptor: this one
 
 
 def take_lock(path, command):
@@ -243,7 +256,7 @@ class JobSupervisor:
     def __init__(self, command, max_restarts=DEFAULT_MAX_RESTARTS, lock_path=None):
         self.command = list(command)
         self.max_restarts = max_restarts
-        self.lock_path = lock_path or default_lock_path(self.command, os.getcwd())
+        self.lock_path = lock_path      # None: default_lock_path's, found in run()
         self.stop_signal = None
         self.lost_every_worker = False   # the last run's horovodrun was killed for it
         self._proc = None
@@ -359,7 +372,8 @@ class JobSupervisor:
             return False, 0, "the script finished"
         ended = output.script_ended()
         if ended is not None:
-            return False, ended[0], f"the script ended: {ended[1]}"
+            # horovodrun failed, so the job did: never 0, even where every rank said 0.
+            return False, ended[0] or code, f"the script ended: {ended[1]}"
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name
             return False, code, f"stopped by {name} (passed on to horovodrun)"
@@ -380,10 +394,18 @@ class JobSupervisor:
     def run(self):
         """Hold the job's lock and run the command until its script ends, the restart budget
         is spent or a signal stops it; returns the exit code."""
+        _open_standard_streams()
         try:
+            if self.lock_path is None:
+                # In this user's runtime folder, which another local user may have planted.
+                self.lock_path = default_lock_path(self.command, os.getcwd())
             self._lock_fd = take_lock(self.lock_path, self.command)
         except (JobLocked, UnsafePathError) as e:
             log.error("%s", e)
+            return 1
+        except OSError as e:      # a folder, a missing folder, no permission
+            log.error("cannot take the job's lock %s: %s; not starting the job",
+                      self.lock_path, e.strerror or e)
             return 1
         self._set_death_signal = death_signal_setter(signal.SIGTERM)
         become_subreaper()
@@ -432,6 +454,17 @@ def _signal(pid, sig):
         pass
 
 
+def _restart_budget(text):
+    """``--max-restarts``'s value; a usage error names the bad value and the range."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def parser():
     """``hvd-adapt-run``'s command line."""
     p = argparse.ArgumentParser(
@@ -439,7 +472,8 @@ def parser():
         description="Run a horovodrun command (after --) and launch it again from the job's "
                     "last checkpoint when Horovod's driver gives up while the job could go "
                     "on (see hvd_adapt.scheduling.job_supervisor).")
-    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+    p.add_argument("--max-restarts", type=_restart_budget, default=DEFAULT_MAX_RESTARTS,
+                   metavar="N",
                    help="restarts allowed over the whole job (default %(default)s)")
     p.add_argument("--lock", default=None, metavar="PATH",
                    help="the job's lock file (default: one per command line and working "
@@ -458,8 +492,8 @@ def parse(p, argv=None):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("the horovodrun command is missing (give it after --)")
-    if args.max_restarts < 0:
-        p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.lock == "":
+        p.error("--lock must name a file, got ''")
     return args, command
 
 

@@ -29,8 +29,10 @@ import time
 
 from .._runtime.script_end import read_record
 
+# Where a line ends: horovodrun's prefixer ends a worker's at either (LineSplitter).
+_LINE_END = re.compile(rb"[\r\n]")
 # A line longer than this is cut: the evidence sits in short lines, and a script's
-# progress bar without newlines must not grow the buffer without bound.
+# output without line ends must not grow the buffer without bound.
 LINE_LIMIT = 1 << 16
 
 # The driver's sentences (horovod/runner/elastic/registration.py and driver.py, 0.28),
@@ -151,8 +153,9 @@ class RunOutput:
 
     def script_ended(self):
         """Where every rank of one world (a size and a commit: ranks 0 to size - 1 at the same
-        generation) left a script-end record, ``(code, description)`` with rank 0's exit code
-        and error; else None."""
+        generation) left a script-end record, ``(code, description)`` with the exit code and
+        error of the lowest rank that did not exit 0 (rank 0's where all did: a rank's sys.exit(0)
+        beside another's error is no success); else None."""
         with self._lock:
             worlds = {}
             for record in self.records:
@@ -160,9 +163,10 @@ class RunOutput:
                 worlds.setdefault(key, {})[record["rank"]] = record
         for (size, generation), ranks in worlds.items():
             if size > 0 and set(ranks) == set(range(size)):
-                first = ranks[0]
+                first = next((ranks[r] for r in range(size) if ranks[r]["code"]), ranks[0])
                 return first["code"], (f"every rank of the world of {size} ended its script at "
-                                       f"commit {generation}; rank 0: {first['error']}")
+                                       f"commit {generation}; rank {first['rank']}: "
+                                       f"{first['error']}")
         return None
 
     def records_said(self):
@@ -176,7 +180,12 @@ class RunOutput:
 
 
 class LineSplitter:
-    """Bytes of one stream in, lines out (decoded, without their end) to ``on_line``."""
+    """Bytes of one stream in, lines out (decoded, without their end, empty ones left out) to
+    ``on_line``. A line ends at a newline or a carriage return, as horovodrun's prefixer
+    (safe_shell_exec.prefix_connection) ends a worker's: a progress bar's updates (tqdm's,
+    on standard error, end with none but the next one's carriage return) are lines of their
+    own, each with its rank's prefix, and the driver's sentence or a script-end record
+    written after the last is a line of its own, not the tail of a bar's endless line."""
 
     def __init__(self, on_line):
         self.on_line = on_line
@@ -186,7 +195,8 @@ class LineSplitter:
     def feed(self, data):
         self._partial += data
         while True:
-            end = self._partial.find(b"\n")
+            end = _LINE_END.search(self._partial)
+            end = -1 if end is None else end.start()
             if end < 0:
                 if len(self._partial) > LINE_LIMIT:
                     # Keep the line's start (where its evidence is), drop the rest of it.
@@ -208,4 +218,5 @@ class LineSplitter:
             self._partial = bytearray()
 
     def _emit(self, line):
-        self.on_line(line.decode("utf-8", "replace").rstrip("\r"))
+        if line:
+            self.on_line(line.decode("utf-8", "replace"))

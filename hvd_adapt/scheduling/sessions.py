@@ -193,6 +193,15 @@ def commands(driver):
     return found, launching
 
 
+def runs_a_worker_here(driver, remote):
+    """Whether the driver runs a worker on its own host: a worker command of its
+    (:func:`commands`) whose session holds none of the ``remote`` sessions' processes
+    (``{host: pids}``, :func:`sessions`)."""
+    found, _ = commands(driver)
+    remote_pids = {pid for pids in remote.values() for pid in pids}
+    return any(remote_pids.isdisjoint(members) for members in found.values())
+
+
 # horovodrun names its rendezvous server in every worker's command (gloo_run.get_run_command).
 _SERVER_ADDRESS = re.compile(r"HOROVOD_GLOO_RENDEZVOUS_ADDR=([0-9A-Za-z.:_-]+)")
 _SERVER_PORT = re.compile(r"HOROVOD_GLOO_RENDEZVOUS_PORT=(\d+)")

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from hvd_adapt._runtime import liveness
@@ -22,8 +23,8 @@ def test_a_computing_worker_is_never_ended_however_long_its_peers_wait():
 
 
 def test_a_worker_computing_while_it_holds_the_gil_is_not_wedged():
-    # A long C call that holds the GIL silences the heartbeat thread, but the main thread
-    # uses the CPU: it computes.
+    # A long C call that holds the GIL silences the heartbeat thread, but the process uses
+    # the CPU: it computes.
     judge = liveness.Judge()
     assert judge.observe(0, marker=True, beats=1, cpu=0.0) is None
     assert all(reason is None for reason in
@@ -39,6 +40,17 @@ def test_a_wedged_worker_is_ended_once_its_peers_reset():
     assert "heartbeat has been silent for 20 s" in reason and "while its peers reset" in reason
 
 
+def test_a_wedged_worker_whose_threads_wait_for_the_gil_is_ended_however_long_its_silence():
+    # The process's other threads wake for the GIL every 5 ms (16 of them: 0.07 s of CPU
+    # in 5 s, measured here): a little CPU that adds up over a long silence, and no
+    # computing.
+    judge = liveness.Judge(silent_seconds=5)
+    assert judge.observe(0, beats=7, cpu=3.0) is None
+    assert polls(judge, 1, 600, beats=7, cpu=3.0) == [None] * 599
+    assert "heartbeat has been silent for 600 s" in judge.observe(
+        600, marker=True, beats=7, cpu=3.0 + 0.014 * 600)
+
+
 def test_a_heartbeat_that_beats_again_restarts_the_count():
     judge = liveness.Judge(silent_seconds=5)
     assert polls(judge, 0, 4, marker=True, beats=1) == [None] * 4
@@ -51,7 +63,17 @@ def test_a_stopped_worker_is_ended_only_once_its_peers_reset():
     assert polls(judge, 0, 30, state="T", beats=1) == [None] * 30
     assert "stopped (/proc state T) while its peers reset" in judge.observe(
         30, marker=True, state="T", beats=1)
-    assert "state t" in liveness.Judge().observe(0, marker=True, state="t")
+    judge = liveness.Judge()
+    assert judge.observe(0, marker=True, state="t", beats=1) is None
+    assert "state t" in judge.observe(1, marker=True, state="t", beats=1)
+
+
+def test_a_worker_seen_stopped_whose_heartbeat_beats_is_not_stopped():
+    # A profiler's samples pause it for moments (state t), and it beats between them.
+    judge = liveness.Judge()
+    assert judge.observe(0, marker=True, state="t", beats=0) is None
+    assert all(judge.observe(t, marker=True, state="T", beats=t) is None
+               for t in range(1, 3600))
 
 
 def test_a_launcher_that_does_not_answer_ends_nothing_however_long():
@@ -103,11 +125,19 @@ def test_a_silent_host_is_lost_only_when_its_peers_reset_without_it():
     assert lost and "while the job's workers reset without it" in reason
 
 
-def test_process_state_reads_the_main_thread():
+def test_process_state_counts_the_cpu_of_every_thread():
     state, cpu = liveness.process_state(os.getpid())
     assert state == "R"
     sum(range(3 * 10 ** 7))     # computes in C, holding the GIL
     assert liveness.process_state(os.getpid())[1] > cpu
+    # Another thread holds the GIL and computes while the main thread waits for it: the
+    # judge must not count the process idle.
+    cpu, started = liveness.process_state(os.getpid())[1], time.monotonic()
+    computing = threading.Thread(target=lambda: sum(range(10 ** 8)))
+    computing.start()
+    computing.join()
+    used = liveness.process_state(os.getpid())[1] - cpu
+    assert used >= liveness.IDLE_CPU_SHARE * (time.monotonic() - started)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)

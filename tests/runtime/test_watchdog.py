@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 
@@ -37,6 +38,13 @@ WORKER = textwrap.dedent("""
     if sys.argv[3] == "wedged":
         import ctypes
         ctypes.PyDLL(None).sleep(600)   # holds the GIL, uses no CPU: a wedged interpreter
+    if sys.argv[3] == "thread_computes":
+        # Another thread computes in C, holding the GIL (a sort, a json.loads of a large
+        # index in a prefetch thread); the main thread only waits for it.
+        import threading
+        computing = threading.Thread(target=lambda: sum(range(10 ** 13)))
+        computing.start()
+        computing.join()
     time.sleep(600)
 """)
 
@@ -76,6 +84,21 @@ def test_a_stopped_worker_is_ended_once_its_peers_reset(store):
     assert "stopped (/proc state T) while its peers reset" in ended(proc)
 
 
+def test_a_worker_paused_for_moments_is_not_stopped(store):
+    # A sampling profiler (py-spy pauses the process at each sample) or cpulimit (SIGSTOP and
+    # SIGCONT in turn) leaves it in state T or t for moments: a poll may see it stopped,
+    # yet it goes on, its heartbeat beating between the pauses.
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    proc, _ = stand_in_worker(store.address, store.port)
+    deadline = time.monotonic() + 8 * liveness.POLL_SECONDS
+    while time.monotonic() < deadline and proc.poll() is None:
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    assert still_running(proc, polls=1), proc.stderr.read()
+
+
 def test_a_wedged_worker_is_ended_once_its_peers_reset(store):
     proc, _ = stand_in_worker(store.address, store.port, "wedged")
     store.put(RESET_SCOPE, RESET_KEY, b"1")
@@ -85,6 +108,14 @@ def test_a_wedged_worker_is_ended_once_its_peers_reset(store):
 def test_a_worker_that_beats_is_never_ended_while_its_peers_reset(store):
     store.put(RESET_SCOPE, RESET_KEY, b"1")
     proc, _ = stand_in_worker(store.address, store.port)
+    assert still_running(proc, polls=2 * liveness.SILENT_SECONDS)
+
+
+def test_a_worker_whose_other_thread_computes_holding_the_gil_is_not_wedged(store):
+    # Its heartbeat is silent and its main thread idle, but the process uses the CPU: it
+    # computes, and is never ended however long its peers reset.
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    proc, _ = stand_in_worker(store.address, store.port, "thread_computes")
     assert still_running(proc, polls=2 * liveness.SILENT_SECONDS)
 
 
@@ -124,6 +155,28 @@ def test_a_worker_without_a_standard_output_is_watched_on_the_rest(store):
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_worker_that_finds_hvd_adapt_on_its_own_path_gets_its_watchdog(store, tmp_path):
+    # hvd_adapt not installed: the script puts the project's checkout on its sys.path (as
+    # research code does), so the watchdog must import it from there as well. The base
+    # interpreter, with the packages of this one but not their .pth files (hvd_adapt's
+    # editable install), is such an environment.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(liveness.__file__)))
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
+    python = os.path.realpath(sys.executable)
+    probe = subprocess.run([python, "-c", "import hvd_adapt"], cwd=tmp_path, env=env,
+                           capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("hvd_adapt is importable here without the script's path")
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(root)!r})\n" + WORKER
+    proc = subprocess.Popen([python, "-c", code, store.address, str(store.port), "training"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), proc.stderr.read() if proc.wait(60) is not None else line
+    proc.stdout.close()     # the launcher goes: its watchdog, running, ends it
+    assert "the launcher's session to it is gone" in ended(proc)
 
 
 def test_a_watchdog_told_nothing_to_watch_ends(store):

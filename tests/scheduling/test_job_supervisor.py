@@ -3,6 +3,7 @@ jobs are in tests/distributed/test_job_supervisor.py): what a run leaves behind 
 before the next, a supervisor that dies stops its command and keeps the job locked until
 that ends, signals are passed on and stop the restarts, and the decisions it takes on a
 run's end."""
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from hvd_adapt.scheduling.job_supervisor import JobSupervisor
 from hvd_adapt.scheduling.launcher_output import LineSplitter, RunOutput
 from hvd_adapt._runtime.script_end import format_record
 from support.launch import alive
+from support.second_user import OTHER_UID, as_other_user
 
 SUPERVISOR = [sys.executable, "-m", "hvd_adapt.scheduling.job_supervisor"]
 
@@ -92,7 +94,10 @@ def test_sigterm_is_passed_on_and_nothing_is_launched_again(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--max-restarts", "-1", "--", "true"], "--max-restarts must be >= 0, got -1"),
+    (["--max-restarts", value, "--", "true"],
+     f"argument --max-restarts: must be a whole number >= 0, got '{value}'")
+    for value in ("-1", "1.5", "three")] + [
+    (["--lock", "", "--", "true"], "--lock must name a file, got ''"),
     ([], "the horovodrun command is missing (give it after --)"),
     (["--"], "the horovodrun command is missing (give it after --)"),
 ])
@@ -100,6 +105,43 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         job_supervisor.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a folder", "in a missing folder"])
+def test_a_lock_that_cannot_be_taken_is_named(tmp_path, where):
+    lock = tmp_path if where == "a folder" else tmp_path / "missing" / "job.lock"
+    result = subprocess.run(SUPERVISOR + ["--lock", str(lock), "--", "touch", "ran"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot take the job's lock {lock}:" in result.stderr, result.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_runtime_folder_another_user_made_first_is_a_clear_error(tmp_path, shared_tmp):
+    # The default lock's folder, <tmp>/hvd_adapt-<uid>, planted by another local user.
+    ours = os.path.join(shared_tmp, f"hvd_adapt-{os.geteuid()}")
+    as_other_user(lambda: os.mkdir(ours))
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    result = subprocess.run(SUPERVISOR + ["--", "touch", "ran"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(env, TMPDIR=shared_tmp))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"belongs to uid {OTHER_UID}" in result.stderr and not (tmp_path / "ran").exists()
+
+
+def test_a_supervisor_started_with_its_output_closed_keeps_the_lock_apart(tmp_path):
+    # Started with standard output closed (a daemon's, a cron line's >&-): the lock file must
+    # not take descriptor 1, where the job's output would overwrite the holder's record and
+    # horovodrun's own standard output would replace the lock it should inherit.
+    lock = tmp_path / "job.lock"
+    holds = (f'echo job output; for f in /proc/$$/fd/*; do [ "$(readlink "$f")" = "{lock}" ] '
+             '&& exit 0; done; exit 3')
+    command = " ".join(f"'{a}'" for a in SUPERVISOR + ["--lock", str(lock), "--", "sh", "-c",
+                                                       holds])
+    result = subprocess.run(["sh", "-c", f"exec {command} 1>&-"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(lock.read_text())["pid"] > 0
 
 
 def test_a_command_that_cannot_run_says_so(tmp_path):
@@ -133,6 +175,18 @@ def test_what_each_end_of_a_run_means(tmp_path):
     assert not restart and code == 2 and "no sign that a running job was given up" in why
     supervisor.stop_signal = signal.SIGTERM
     assert supervisor.judge(1, output(gave_up))[:2] == (False, 1)
+
+
+def test_a_script_that_exits_0_on_some_ranks_and_raises_on_others_is_no_success(tmp_path):
+    # Rank 0 leaves with sys.exit(0), rank 1 raises: horovodrun fails, and so must the job.
+    supervisor = JobSupervisor(["horovodrun"], lock_path=str(tmp_path / "job.lock"))
+    records = [format_record("tok", 0, 2, 9, SystemExit(0)).strip(),
+               "[1]<stderr>:" + format_record("tok", 1, 2, 9, ValueError("bug")).strip()]
+    restart, code, why = supervisor.judge(1, output(*records))
+    assert not restart and code == 1 and "rank 1: ValueError: bug" in why
+    # Every rank said 0 but horovodrun failed after: its code, never 0.
+    zeros = [format_record("tok", rank, 2, 9, SystemExit(0)).strip() for rank in (0, 1)]
+    assert supervisor.judge(3, output(*zeros))[:2] == (False, 3)
 
 
 def test_the_supervisor_loads_no_training_stack():

@@ -1,8 +1,10 @@
 """Reading how a run ended from horovodrun's output: the driver's own sentences (taken from
 the installed Horovod's source, so a Horovod that words them otherwise fails here), the
 worker that ended a fixed-size run, and the workers' script-end records."""
+import io
 import os
 import re
+import threading
 
 import horovod.runner
 import pytest
@@ -107,6 +109,46 @@ def test_the_script_ended_only_where_every_rank_of_one_world_says_so():
     assert read(record(0, 2, 7) + record(1, 2, 8)).script_ended() is None
     assert read(record(0, 2, 7) + record(1, 2, 7, token="old")).script_ended() is None
     assert read(record(1, 2, 7)).records_said() == "rank 1 of 2: ValueError: bad 1"
+
+
+def through_horovodrun(rank, worker_bytes):
+    """What horovodrun writes for a worker that wrote ``worker_bytes`` to its standard error
+    and ended: Horovod's own prefixer (safe_shell_exec.prefix_connection) run on a pipe."""
+    from horovod.runner.common.util.safe_shell_exec import prefix_connection
+    import multiprocessing
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    out = io.StringIO()
+    thread = threading.Thread(target=prefix_connection,
+                              args=(reader, out, "stderr", rank, False))
+    thread.start()
+    with os.fdopen(os.dup(writer.fileno()), "wb") as f:
+        f.write(worker_bytes)
+    writer.close()
+    thread.join()
+    return out.getvalue()
+
+
+def progress_bar(updates):
+    """A tqdm bar on standard error (its default): each update starts with a carriage
+    return, and none ends its line."""
+    return "".join(f"\r{i % 100:3d}%|{'#' * (i % 10):10s}| {i}/{updates} [00:01<00:09]"
+                   for i in range(updates)).encode()
+
+
+def test_a_progress_bar_hides_neither_the_drivers_words_nor_the_script_end():
+    # A bar that ran for a while (far more than LINE_LIMIT without a newline) on every rank,
+    # then each rank's script raised its own error: records after the bar.
+    bar = progress_bar(4 * LINE_LIMIT // 40)
+    ended = "".join(through_horovodrun(rank, bar + format_record(
+        "tok", rank, 2, 7, ValueError("bad")).encode() + b"Traceback ...\n")
+        for rank in (0, 1))
+    assert read(ended).script_ended() == (
+        1, "every rank of the world of 2 ended its script at commit 7; rank 0: ValueError: bad")
+    # The workers still show their bars (their last update ended by the next's carriage
+    # return) when the driver, on the same stream, gives up.
+    running = through_horovodrun(0, bar + b"\r") + through_horovodrun(1, bar + b"\r")
+    reason = read(running + "ERROR:root:failure count == 2 -> stop running\n").driver_gave_up()
+    assert reason is not None and reason.startswith("every worker of the world failed")
 
 
 def test_lines_are_read_across_chunks_and_long_ones_are_cut():

@@ -93,6 +93,39 @@ def test_only_the_sessions_of_a_host_the_job_lost_are_ended(tmp_path, store, pee
     assert "127.0.0.7" not in out.stderr, out.stderr          # never offered meanwhile
 
 
+def test_a_lost_host_is_found_lost_beside_a_worker_on_the_launchers_own_host(tmp_path, store):
+    # horovodrun -H h1:1,h2:1 run on h1: h1's worker is a local command (no ssh), h2's an ssh
+    # session. h2 falls silent while the workers reset: the launcher reaches its own host,
+    # so its link is not the one down, and h2 is lost.
+    store.put(RESET_SCOPE, RESET_KEY, b"1")
+    named = (f"HOROVOD_GLOO_RENDEZVOUS_ADDR={store.address} "
+             f"HOROVOD_GLOO_RENDEZVOUS_PORT={store.port} HOROVOD_CONTROLLER=gloo")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.5", 0))
+        port = probe.getsockname()[1]
+    silent = silent_listener("127.0.0.5", port)
+    try:
+        (tmp_path / "hosts").write_text("127.0.0.5\n")
+        discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
+                     f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
+                     f"--state {tmp_path}/state.json --min-np 1")
+        # Each command's arguments name its host as horovodrun's do (HOROVOD_HOSTNAME=...;
+        # ssh's also as its target).
+        hosts = {"127.0.0.5 HOROVOD_HOSTNAME=127.0.0.5": "ssh",
+                 "HOROVOD_HOSTNAME=localhost": "python"}
+        out = subprocess.run(
+            [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts), named],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    finally:
+        for sock in silent:
+            sock.close()
+    codes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert codes["HOROVOD_HOSTNAME=localhost"] is None, out
+    assert codes["127.0.0.5 HOROVOD_HOSTNAME=127.0.0.5"] not in (None, 0), out.stderr
+    assert "while the job's workers reset without it" in out.stderr, out.stderr
+
+
 def test_run_by_hand_it_finds_no_driver_and_ends_nothing():
     assert sessions.find_driver() is None
     assert sessions.sessions(None, ["127.0.0.3"]) == {}
