@@ -39,6 +39,20 @@ os._exit(0)    # not multiprocessing's join of the middlemen: they end their com
 """
 
 
+def discover_under_a_driver(tmp_path, host_lines, port, hosts, named):
+    """Run hvd-adapt-discover (base: ``host_lines``, probing ``port``) as the stand-in driver's
+    discovery script, beside commands ``hosts`` (``{arguments: program}``) whose lines carry
+    ``named``; ``(the completed process, {arguments: exit code or None})``."""
+    (tmp_path / "hosts").write_text(host_lines)
+    discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
+                 f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
+                 f"--state {tmp_path}/state.json --min-np 1")
+    out = subprocess.run([sys.executable, "-c", DRIVER, discovery, json.dumps(hosts), named],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("peers_reset", [True, False], ids=["peers_reset", "launcher_cut_off"])
 def test_only_the_sessions_of_a_host_the_job_lost_are_ended(tmp_path, store, peers_reset):
     # 127.0.0.2 accepts on the port. 127.0.0.5 says nothing (a full accept queue), as a
@@ -64,21 +78,14 @@ def test_only_the_sessions_of_a_host_the_job_lost_are_ended(tmp_path, store, pee
         new.listen(16)
         silent = silent_listener("127.0.0.5", port) + silent_listener("127.0.0.6", port)
         try:
-            (tmp_path / "hosts").write_text("127.0.0.2\n127.0.0.5\n127.0.0.3\n127.0.0.6\n"
-                                            "127.0.0.7\n")
-            discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
-                         f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
-                         f"--state {tmp_path}/state.json --min-np 1")
             hosts = {"127.0.0.2": "ssh", "127.0.0.5": "ssh", "127.0.0.4": "ssh",
                      "127.0.0.3": "ssh", "127.0.0.6": "worker"}
-            out = subprocess.run(
-                [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts), named],
-                capture_output=True, text=True, timeout=120,
-                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            out, codes = discover_under_a_driver(
+                tmp_path, "127.0.0.2\n127.0.0.5\n127.0.0.3\n127.0.0.6\n127.0.0.7\n", port,
+                hosts, named)
         finally:
             for sock in silent:
                 sock.close()
-    codes = json.loads(out.stdout.strip().splitlines()[-1])
     assert codes["127.0.0.2"] is None and codes["127.0.0.4"] is None, out
     assert codes["127.0.0.3"] is None and codes["127.0.0.6"] is None, out
     assert "127.0.0.5 said nothing: keeping the current offer" in out.stderr, out.stderr
@@ -105,22 +112,14 @@ def test_a_lost_host_is_found_lost_beside_a_worker_on_the_launchers_own_host(tmp
         port = probe.getsockname()[1]
     silent = silent_listener("127.0.0.5", port)
     try:
-        (tmp_path / "hosts").write_text("127.0.0.5\n")
-        discovery = (f"{sys.executable} -m hvd_adapt.scheduling.discover --command "
-                     f"'cat {tmp_path}/hosts' --ssh-port {port} --lost-after 0.001 "
-                     f"--state {tmp_path}/state.json --min-np 1")
         # Each command's arguments name its host as horovodrun's do (HOROVOD_HOSTNAME=...;
         # ssh's also as its target).
         hosts = {"127.0.0.5 HOROVOD_HOSTNAME=127.0.0.5": "ssh",
                  "HOROVOD_HOSTNAME=localhost": "python"}
-        out = subprocess.run(
-            [sys.executable, "-c", DRIVER, discovery, json.dumps(hosts), named],
-            capture_output=True, text=True, timeout=120,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        out, codes = discover_under_a_driver(tmp_path, "127.0.0.5\n", port, hosts, named)
     finally:
         for sock in silent:
             sock.close()
-    codes = json.loads(out.stdout.strip().splitlines()[-1])
     assert codes["HOROVOD_HOSTNAME=localhost"] is None, out
     assert codes["127.0.0.5 HOROVOD_HOSTNAME=127.0.0.5"] not in (None, 0), out.stderr
     assert "while the job's workers reset without it" in out.stderr, out.stderr
