@@ -3,6 +3,7 @@
 ``localhost``, ``127.0.0.1`` and this machine's own name count as three
 hosts for Horovod (each resolves to a local address, so no ssh is needed).
 """
+import json
 import os
 import socket
 import subprocess
@@ -169,19 +170,32 @@ def test_a_compute_bound_job_is_offered_more_workers(tmp_path):
     # machine: sizes [1, 2, 3, 1]). Most of each sample's compute is therefore
     # a sleep, as on hosts that each have their own accelerator; the rest is a
     # real model's forward and backward, whose gradients the noise scale reads.
+    # 0.1 s a sample, not 0.03: two workers sharing the two cores spend about
+    # 0.1 s a step on their real compute, allreduce and commit, which at 0.03 s
+    # a sample outweighed the sleep, timed a speed-up of 1.31-1.36 at two and
+    # shrank the job to one (CI failed with sizes [1, 2, 1]).
     job, commits, sizes = goodput_job(
-        tmp_path, ["--model", "deep", "--tokens", 32, "--sample-seconds", 0.03],
-        until_step=120, efficiency=0.5)
+        tmp_path, ["--model", "deep", "--tokens", 32, "--sample-seconds", 0.1],
+        until_step=60, efficiency=0.5)
     print(sizes, [line for line in job.output.splitlines() if "hvd-adapt-discover" in line])
     assert sizes[0] == 1 and max(sizes) >= 2, sizes
     assert sizes[-1] >= 2, sizes
+    # Not only the first offer, made before two workers were timed: the job's
+    # last curve, fitted on its own timings at two counts, still says a second
+    # worker pays (what failed on CI, where it shrank back to one).
+    hints = json.loads((tmp_path / "hints.json").read_text())
+    assert hints["timed_two_counts"] and 2 in hints["replica_counts_timed"], hints
+    speedup = {point["replicas"]: point["speedup"] for point in hints["curve"]}
+    assert speedup[2] - speedup[1] >= 0.5, speedup
 
 
 def test_a_communication_bound_job_stays_small(tmp_path):
     # The three "hosts" share this machine's two cores, with the launcher and
     # Horovod's threads: a second worker brings at most about 0.5 of one here
     # (a second machine would bring nearly 1), hence the lower efficiency.
-    job, commits, sizes = goodput_job(tmp_path, ["--model", "wide"], until_step=600,
+    # 120 steps: it times two workers by step 20 or so and then trains about
+    # 100 steps (several --hold periods) at one without being offered more.
+    job, commits, sizes = goodput_job(tmp_path, ["--model", "wide"], until_step=120,
                                       efficiency=0.25)
     print(sizes, [line for line in job.output.splitlines() if "hvd-adapt-discover" in line])
     # The curve may send it to two workers once, to time what communication
