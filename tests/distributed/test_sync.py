@@ -11,13 +11,23 @@ from support.launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
+CASES = [f"{optimizer}:{root_trained}:{wrapped}" for optimizer in ("sgd", "adamw")
+         for root_trained in (0, 3) for wrapped in ("torch", "hvd_adapt")]
+
+
+@pytest.fixture(scope="module")
+def sync_job():
+    """The eight cases in one job, one after the other, each on its own model, optimizer
+    and State (one launch instead of eight)."""
+    return run_ranks("sync_recipes.py", np=2, args=["--cases", ",".join(CASES)]).check()
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("root_trained", [0, 3], ids=["fresh-start", "worker-joins"])
-@pytest.mark.parametrize("wrapped", [False, True], ids=["torch", "hvd_adapt"])
-def test_sync_copies_rank0_and_changes_nothing(optimizer, root_trained, wrapped):
-    args = ["--optimizer", optimizer, "--root-trained", root_trained]
-    job = run_ranks("sync_recipes.py", np=2, args=args + (["--wrapped"] if wrapped else [])).check()
-    reports = job.reports
+@pytest.mark.parametrize("wrapped", ["torch", "hvd_adapt"])
+def test_sync_copies_rank0_and_changes_nothing(sync_job, optimizer, root_trained, wrapped):
+    case = f"{optimizer}:{root_trained}:{wrapped}"
+    reports = {rank: sync_job.reports[rank][case] for rank in sync_job.reports}
     assert sorted(reports) == [0, 1]
     root = reports[0]
     for rank, rep in reports.items():

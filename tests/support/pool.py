@@ -207,7 +207,8 @@ def world_starts(job):
 def quiet_generation(folder, jobs):
     """The arbiter's generation while nothing moves (None otherwise): no host being given
     back, every job's discovery offering exactly its grant, its world that size, and the
-    grants at least 3 s old."""
+    grants and every job's world at least 3 s old (a world that formed just now is the last
+    move's, and would fall in the window that starts 2 s before the kill: a clean run saw one)."""
     try:
         with open(os.path.join(folder, "arbiter.json")) as f:
             state = json.load(f)
@@ -228,6 +229,8 @@ def quiet_generation(folder, jobs):
                 or report["generation"] != state["generation"] or not commits
                 or commits[-1]["size"] != sum(slots for _, slots in grant)):
             return None
+    if any(time.time() - max(world_starts(job), default=0.0) < 3 for job in jobs):
+        return None
     return state["generation"]
 
 

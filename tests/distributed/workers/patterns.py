@@ -7,6 +7,10 @@ whole batch (every rank's shard, gathered in rank order: the mean of equal
 shards' gradients is the whole batch's gradient). After every optimizer step
 the rank reports the largest difference between the two models' parameters,
 and a hash of its own. ``--micro N`` accumulates N micro-batches per step.
+``--pattern`` takes several cases, ``name[:micro]`` each, comma-separated: one
+job runs them one after the other (each from seed 0, on its own models,
+optimizers and loader) and reports ``{case: result}``, so a test pays for the
+launch and the imports once, not once a case.
 
 Patterns: ``exception`` (a backward raises on every rank at one micro-step,
 caught: that cycle is skipped; ``--only-rank 1``: on rank 1 alone, which every
@@ -381,12 +385,21 @@ PATTERNS = {"exception": exception, "unfreeze": unfreeze, "checkpoint": checkpoi
             "replace": replace, "channels_last": channels_last, "sparse": sparse}
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--pattern", choices=sorted(PATTERNS), required=True)
+parser.add_argument("--pattern", required=True,
+                    help=f"name[:micro],... from {', '.join(sorted(PATTERNS))}")
 parser.add_argument("--steps", type=int, default=6)
-parser.add_argument("--micro", type=int, default=1)
+parser.add_argument("--micro", type=int, default=1, help="for cases that name none")
 parser.add_argument("--only-rank", type=int, default=-1)
 parser.add_argument("--sparse-as-dense", action="store_true")
 args = parser.parse_args()
+cases = [case.partition(":") for case in args.pattern.split(",")]
+for name, _, _ in cases:
+    if name not in PATTERNS:
+        parser.error(f"--pattern {name!r} is not one of {', '.join(sorted(PATTERNS))}")
 hvd_adapt.init()
-torch.manual_seed(0)
-report(PATTERNS[args.pattern](args), hvd.rank())
+results = {}
+for name, _, micro in cases:
+    case_args = argparse.Namespace(**dict(vars(args), micro=int(micro or args.micro)))
+    torch.manual_seed(0)
+    results[f"{name}:{case_args.micro}"] = PATTERNS[name](case_args)
+    report(results, hvd.rank())
