@@ -31,6 +31,10 @@ def optimizer_tensors(opt):
             if isinstance(v, torch.Tensor)]
 
 
+OPTIMIZERS = ("sgd", "adamw")
+WRAPPERS = {"torch": False, "hvd_adapt": True}
+
+
 def run_case(optimizer, root_trained, wrapped, survivor_skips_sync=False):
     """One case on its own model, optimizer, loader and State; its report."""
     rank = hvd_adapt.env.rank()
@@ -67,13 +71,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--cases", default=None,
                     help="optimizer:root_trained:torch|hvd_adapt,... run one after the other in "
                          "this job, each reported under its own name (instead of the flags)")
-parser.add_argument("--optimizer", choices=["sgd", "adamw"])
+parser.add_argument("--optimizer", choices=OPTIMIZERS)
 parser.add_argument("--root-trained", type=int, default=0)
 parser.add_argument("--wrapped", action="store_true", help="hvd_adapt.DistributedOptimizer")
 parser.add_argument("--survivor-skips-sync", action="store_true")
 args = parser.parse_args()
 if (args.cases is None) == (args.optimizer is None):
-    parser.error("give --cases or --optimizer, not both")
+    parser.error("give either --cases or --optimizer (exactly one of them)")
 
 hvd_adapt.init()
 if args.cases is None:
@@ -83,7 +87,7 @@ else:
     results = {}
     for case in args.cases.split(","):
         optimizer, root_trained, wrapped = case.split(":")
-        if optimizer not in ("sgd", "adamw") or wrapped not in ("torch", "hvd_adapt"):
+        if optimizer not in OPTIMIZERS or wrapped not in WRAPPERS:
             parser.error(f"--cases: {case!r} is not optimizer:steps:torch|hvd_adapt")
-        results[case] = run_case(optimizer, int(root_trained), wrapped == "hvd_adapt")
+        results[case] = run_case(optimizer, int(root_trained), WRAPPERS[wrapped])
         report(results, hvd_adapt.env.rank())
