@@ -17,7 +17,6 @@ found there belongs to the current world.
 Standard library only (``hvd-adapt-discover`` reads the reset marker).
 """
 import errno
-import http.client
 import logging
 import os
 import time
@@ -70,6 +69,10 @@ class RendezvousServer:
         return cls(os.environ[ADDR_VARIABLE], os.environ[PORT_VARIABLE])
 
     def _connect(self, timeout):
+        # Imported here, not at the top: http.client pulls in the email package (about
+        # 25 ms), and hvd-adapt-discover, which Horovod's driver starts every second,
+        # imports this module on every run but connects only while judging a silent host.
+        import http.client
         connection = http.client.HTTPConnection(self.address, self.port, timeout=timeout)
         try:
             connection.connect()
