@@ -105,7 +105,7 @@ try:
         problems.append(f"torch {torch.__version__} is not a CUDA build (GPU mode)")
 except ImportError as e:
     problems.append(f"horovod.torch does not import: {e}")
-modules = ["numpy", "scipy", "threadpoolctl", "pytest", "jsonschema", "kubernetes_validate"] + (["mpi4py"] if without_mpi != "1" else [])
+modules = ["numpy", "scipy", "threadpoolctl", "pytest", "xdist", "jsonschema", "kubernetes_validate"] + (["mpi4py"] if without_mpi != "1" else [])
 if deps_only != "1":
     modules.append("hvd_adapt")
 for mod in modules:
@@ -289,12 +289,12 @@ if [ "$HVD_OK" != "1" ]; then
 fi
 
 if [ "$SYSTEM_TORCH" = 1 ]; then
-    NEEDED=$(missing pytest sklearn tqdm jsonschema kubernetes_validate)
-    [ -z "$NEEDED" ] || "${PIP[@]}" $(echo "$NEEDED" | sed 's/^sklearn$/scikit-learn/; s/_/-/g')
+    NEEDED=$(missing pytest xdist sklearn tqdm jsonschema kubernetes_validate)
+    [ -z "$NEEDED" ] || "${PIP[@]}" $(echo "$NEEDED" | sed 's/^sklearn$/scikit-learn/; s/^xdist$/pytest-xdist/; s/_/-/g')
     [ "${HVD_ADAPT_DEPS_ONLY:-0}" = 1 ] \
         || "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
 elif [ "${HVD_ADAPT_DEPS_ONLY:-0}" = 1 ]; then
-    "${PIP[@]}" pytest scikit-learn tqdm tensorboard jsonschema kubernetes-validate
+    "${PIP[@]}" pytest pytest-xdist scikit-learn tqdm tensorboard jsonschema kubernetes-validate
 else
     log "installing hvd_adapt (editable) with the dev extras"
     "${PIP[@]}" --no-build-isolation -e "$ROOT[dev]"

@@ -1,19 +1,51 @@
 #!/usr/bin/env bash
 # The whole test suite: sets the environment up first (seconds when it is in
 # place), then runs pytest with real multi-process Horovod jobs.
-#   scripts/test.sh                 # everything
+#   scripts/test.sh                 # everything (two phases, below)
 #   scripts/test.sh tests/swap      # one area: tests/<package>/ mirrors hvd_adapt/<package>/
 #   scripts/test.sh -m "not elastic" tests/goodput/test_goodput.py   # pytest arguments pass through
+#
+# Without arguments the suite runs in two phases. First every test not marked
+# `serial`, HVD_ADAPT_TEST_WORKERS (default 2) files at a time (pytest-xdist,
+# a file's tests together so a file's shared job runs once): most tests wait
+# on processes, rendezvous and signals, not on the CPU, and none of them times
+# anything. Then the tests marked `serial` (those that measure speed: the
+# benchmarks' smoke runs, throughput-driven scheduling, the pool), one at a
+# time on an otherwise quiet machine. With arguments, one pytest run as given.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"
 cd "$root"
-set +e
-"${HVD_ADAPT_VENV:-$root/.venv}/bin/python" -m pytest "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-    echo "test.sh: pytest collected no tests; that is a failure" >&2
-    exit 1
+python=${HVD_ADAPT_VENV:-$root/.venv}/bin/python
+
+run_pytest() {
+    set +e
+    "$python" -m pytest "$@"
+    local status=$?
+    set -e
+    if [ "$status" -eq 5 ]; then
+        echo "test.sh: pytest collected no tests; that is a failure" >&2
+        status=1
+    fi
+    return "$status"
+}
+
+if [ "$#" -gt 0 ]; then
+    run_pytest "$@"
+    exit $?
 fi
-exit "$status"
+workers=${HVD_ADAPT_TEST_WORKERS:-2}
+case "$workers" in
+    ''|*[!0-9]*|0) echo "test.sh: HVD_ADAPT_TEST_WORKERS must be a whole number >= 1, not '$workers'" >&2
+                   exit 2 ;;
+esac
+start=$(date +%s)
+parallel=0
+run_pytest -n "$workers" --dist loadfile -m "not serial" || parallel=$?
+middle=$(date +%s)
+serial=0
+run_pytest -m serial || serial=$?
+end=$(date +%s)
+echo "test.sh: parallel phase ($workers at a time) $((middle - start)) s (exit $parallel)," \
+     "serial phase $((end - middle)) s (exit $serial), $((end - start)) s in all"
+[ "$parallel" -eq 0 ] && [ "$serial" -eq 0 ]

@@ -19,7 +19,7 @@ import pytest
 from support import pool
 from support.training_logs import check_exactly_once, check_identical_replicas
 
-pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
+pytestmark = [pytest.mark.distributed, pytest.mark.elastic, pytest.mark.serial]
 
 SAMPLES = 96
 GIVE_BACK_SLOWLY = 8

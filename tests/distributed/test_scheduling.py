@@ -18,7 +18,7 @@ from support.launch import BIN, launch_env
 from support.soak import pauses
 from support.training_logs import check_exactly_once, check_identical_replicas, read_attempts
 
-pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
+pytestmark = [pytest.mark.distributed, pytest.mark.elastic, pytest.mark.serial]
 
 DISCOVER = os.path.join(BIN, "hvd-adapt-discover")
 WORKER = os.path.join(BIN, "hvd-adapt-worker")
