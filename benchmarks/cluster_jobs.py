@@ -27,7 +27,7 @@ arbiter: the most worlds timed) is recorded for ``cluster_sim.py``.
 Needs root (network namespaces), as tests/cluster does.
 
     python benchmarks/cluster_jobs.py [--jobs scales:30,comm:8,scales:15] [--arrivals 0,10,20] \\
-        [--rounds 1] [--json cluster_jobs.json]
+        [--sample-seconds scales=0.3] [--rounds 1] [--json cluster_jobs.json]
 """
 import argparse
 import json
@@ -51,8 +51,11 @@ SAMPLES = 96
 ARBITER = ("--change-interval", "20", "--gone-after", "15")
 
 
-def run_policy(bed, policy, specs, arrivals, top, timeout):
-    """Run the jobs under ``policy``; ``{job: completion seconds}`` and their curves."""
+def run_policy(bed, policy, specs, arrivals, top, timeout, sample_seconds=None):
+    """Run the jobs under ``policy``; ``{job: completion seconds}`` and their curves.
+    ``sample_seconds``: ``{kind: seconds}``, each sample's "accelerator" time for that kind
+    where it is not the kind's own (tests/support/pool.py)."""
+    sample_seconds = sample_seconds or {}
     folder = os.path.join(top, policy)
     os.makedirs(folder)
     shares = static_shares(len(specs))
@@ -76,7 +79,9 @@ def run_policy(bed, policy, specs, arrivals, top, timeout):
                     else:
                         script = pool.arbiter_discovery(job, os.path.join(folder, "arbiter"),
                                                         initial_np=share)
-                    job.start(bed, script, np=share)
+                    extra = (["--sample-seconds", str(sample_seconds[job.kind])]
+                             if job.kind in sample_seconds else [])
+                    job.start(bed, script, np=share, worker_args=extra)
                     submitted[job.name] = time.time()
         while len(submitted) < len(jobs):
             launch_due()
@@ -136,6 +141,10 @@ def main(argv=None):
     parser.add_argument("--jobs", default="scales:30,comm:8,scales:15",
                         help="kind:epochs of each job, comma-separated (kinds: "
                              f"{', '.join(pool.KINDS)})")
+    parser.add_argument("--sample-seconds", default="",
+                        help="kind=seconds,...: each sample's accelerator time for a kind, "
+                             "instead of the kind's own (e.g. scales=0.3: the model's CPU work "
+                             "then weighs less beside the accelerator on this machine's cores)")
     parser.add_argument("--arrivals", default=None,
                         help="seconds after the first job each job arrives (default: all at 0)")
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -153,6 +162,17 @@ def main(argv=None):
             parser.error(f"--jobs: each job is kind:epochs with a kind of "
                          f"{', '.join(pool.KINDS)} and epochs >= 1, got {item!r}")
         specs.append((kind, int(epochs)))
+    sample_seconds = {}
+    for item in filter(None, args.sample_seconds.split(",")):
+        kind, _, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if kind not in pool.KINDS or not 0 < value <= 10:
+            parser.error(f"--sample-seconds: each item is kind=seconds with a kind of "
+                         f"{', '.join(pool.KINDS)} and 0 < seconds <= 10, got {item!r}")
+        sample_seconds[kind] = value
     arrivals = [0.0] * len(specs) if args.arrivals is None else \
         [float(a) for a in args.arrivals.split(",")]
     if len(arrivals) != len(specs) or any(not 0 <= a < 1e6 for a in arrivals):
@@ -175,7 +195,8 @@ def main(argv=None):
                 for policy in order:
                     print(f"round {round_index + 1}: {policy} ...", flush=True)
                     jobs = run_policy(bed, policy, specs, arrivals,
-                                      os.path.join(top, f"r{round_index}"), args.timeout)
+                                      os.path.join(top, f"r{round_index}"), args.timeout,
+                                      sample_seconds)
                     rows.append({"policy": policy, "round": round_index, "arrivals": arrivals,
                                  "jobs": jobs})
                     print("  " + ", ".join(f"{name} ({j['kind']}) {j['seconds']:.0f} s on "
@@ -205,6 +226,7 @@ def main(argv=None):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import record
         record.write(args.json, {"jobs": args.jobs, "arrivals": arrivals, "hosts": len(pool.POOL),
+                                 "sample_seconds": sample_seconds,
                                  "rounds": rows, "summary": summary, "arbiter_flags": ARBITER})
     return summary
 

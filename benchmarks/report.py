@@ -327,7 +327,10 @@ def cluster_jobs_section():
               + ["average s", "makespan s", "average / static", "worst job / static"])
     return "\n".join(["## Jobs sharing a pool: `cluster_jobs.py`\n", notes("cluster_jobs"),
                       f"Jobs {data['jobs']} arriving at {data['arrivals']} s on "
-                      f"{data['hosts']} namespace hosts; goals: the arbiter's average <= 0.8 "
+                      f"{data['hosts']} namespace hosts"
+                      + "".join(f"; {kind}'s accelerator {seconds} s per sample"
+                                for kind, seconds in data.get("sample_seconds", {}).items())
+                      + "; goals: the arbiter's average <= 0.8 "
                       "x the static split's, no job over 1.1 x its static time.\n",
                       table(header, rows), provenance(records)])
 

@@ -207,11 +207,16 @@ def test_cluster_sim_jobs_wait_for_what_they_requested_under_fixed(monkeypatch, 
     assert split[0] >= 1 and split[1] >= 1 and sum(split.values()) <= 4
 
 
-def test_cluster_jobs_names_a_bad_job():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cluster_jobs.py"),
-                           "--jobs", "scales:3,fast:2"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and "got 'fast:2'" in proc.stderr, proc.stderr
+@pytest.mark.parametrize("args,bad", [
+    (["--jobs", "scales:3,fast:2"], "got 'fast:2'"),
+    (["--sample-seconds", "scales=0"], "got 'scales=0'"),
+    (["--sample-seconds", "scales=0.3,fast=1"], "got 'fast=1'"),
+    (["--sample-seconds", "comm=x"], "got 'comm=x'"),
+])
+def test_cluster_jobs_names_a_bad_argument(args, bad):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cluster_jobs.py")]
+                          + args, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and bad in proc.stderr, proc.stderr
 
 
 def test_results_md_is_what_the_recorded_json_gives():

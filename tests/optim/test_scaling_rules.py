@@ -185,7 +185,8 @@ def test_legw_warms_up_inside_the_optimizer_by_its_steps():
 
 @pytest.mark.parametrize("rule,factor", [
     (AdaScale(), lambda s, g: g), (AdamScale(), lambda s, g: math.sqrt(g)),
-    (LinearScale(), lambda s, g: s), (SqrtScale(), lambda s, g: math.sqrt(s))], ids=str)
+    (LinearScale(), lambda s, g: s), (SqrtScale(), lambda s, g: math.sqrt(s))],
+    ids=["AdaScale", "AdamScale", "LinearScale", "SqrtScale"])
 @pytest.mark.parametrize("scale", [1, 3])
 def test_rules_inside_the_optimizer_match_their_closed_forms(rule, factor, scale):
     gns = gns_with(1.0, 30.0)
