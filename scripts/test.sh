@@ -9,9 +9,11 @@
 # `serial`, HVD_ADAPT_TEST_WORKERS (default 2) files at a time (pytest-xdist,
 # a file's tests together so a file's shared job runs once): most tests wait
 # on processes, rendezvous and signals, not on the CPU, and none of them times
-# anything. Then the tests marked `serial` (those that measure speed: the
-# benchmarks' smoke runs, throughput-driven scheduling, the pool), one at a
-# time on an otherwise quiet machine. With arguments, one pytest run as given.
+# anything (the benchmarks' smoke runs check what they print, not how fast).
+# Then the tests marked `serial`, whose outcome rests on measured speed (the
+# jobs that grow or stay small by their own throughput, a standby's pause, the
+# pool's arbiter), one at a time on an otherwise quiet machine. With
+# arguments, one pytest run as given.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"

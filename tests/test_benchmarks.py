@@ -8,9 +8,6 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The smoke runs time what they run (and some check what the timings decide), so
-# scripts/test.sh runs this file alone, after the parallel phase.
-pytestmark = pytest.mark.serial
 
 
 def bench(name, *args, timeout=120):
