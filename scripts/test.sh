@@ -7,7 +7,8 @@
 #
 # Without arguments the suite runs in two phases. First every test not marked
 # `serial`, HVD_ADAPT_TEST_WORKERS (default 2) files at a time (pytest-xdist,
-# a file's tests together so a file's shared job runs once): most tests wait
+# a file's tests together, so a file's shared job or namespace cluster is made
+# once; the files that launch jobs first, see tests/conftest.py): most wait
 # on processes, rendezvous and signals, not on the CPU, and none of them times
 # anything (the benchmarks' smoke runs check what they print, not how fast).
 # Then the tests marked `serial`, whose outcome rests on measured speed (the
