@@ -8,13 +8,13 @@
 # Without arguments the suite runs in two phases. First every test not marked
 # `serial`, HVD_ADAPT_TEST_WORKERS (default 2) files at a time (pytest-xdist,
 # a file's tests together, so a file's shared job or namespace cluster is made
-# once; the files that launch jobs first, see tests/conftest.py): most wait
-# on processes, rendezvous and signals, not on the CPU, and none of them times
-# anything (the benchmarks' smoke runs check what they print, not how fast).
-# Then the tests marked `serial`, whose outcome rests on measured speed (the
-# jobs that grow or stay small by their own throughput, a standby's pause, the
-# pool's arbiter), one at a time on an otherwise quiet machine. With
-# arguments, one pytest run as given.
+# once): most wait on processes, rendezvous and signals, not on the CPU, and
+# none of them times anything. Then the tests marked `serial`, one at a time
+# on an otherwise quiet machine: those whose outcome rests on measured speed
+# or memory (the jobs that grow or stay small by their own throughput, a
+# standby's pause, the pool's arbiter, the swap's peak memory) and the
+# benchmarks' smoke runs (the heaviest CPU users). With arguments, one pytest
+# run as given.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"

@@ -13,17 +13,6 @@ from support.gloo_store import Store
 collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py"]
 
 
-def pytest_collection_modifyitems(items):
-    """The modules that launch jobs (any test marked ``distributed``, and tests/cluster/'s,
-    which all do) first, each module's tests in their order: scripts/test.sh hands whole
-    modules to its workers in this order, so the long ones start early and the short ones
-    fill in at the end."""
-    cluster = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster")
-    launching = {item.path for item in items if item.get_closest_marker("distributed")
-                 or str(item.path.parent) == cluster}
-    items.sort(key=lambda item: item.path not in launching)
-
-
 @pytest.fixture(autouse=True, scope="session")
 def job_directories_under_pytests_temp(tmp_path_factory):
     """Jobs' log and report directories (``tempfile.mkdtemp`` in the launch helpers) go
