@@ -220,6 +220,23 @@ def test_cluster_jobs_names_a_bad_argument(args, bad):
     assert proc.returncode == 2 and bad in proc.stderr, proc.stderr
 
 
+def test_cluster_jobs_times_each_job_to_its_own_end(tmp_path):
+    # cluster_jobs.py's completion times are when the pool's wait first sees each launcher
+    # gone. The wait polled with all() over a generator, which stops at the first job still
+    # running: a job that ended before one listed ahead of it was timed to that job's end
+    # (the 2026-12-07 record gave the comm job j0's end, 30 s after its arrival).
+    from support import pool
+    jobs = []
+    for name, seconds in (("long", 6), ("short", 0)):
+        job = pool.PoolJob(name, "scales", str(tmp_path / name), 8, 1)
+        job.log = open(os.path.join(job.out_dir, "output.log"), "w")
+        job.proc = subprocess.Popen(["sleep", str(seconds)])
+        jobs.append(job)
+    assert pool.wait_all(jobs, 60)
+    long, short = jobs
+    assert short.ended < long.ended - 3, (short.ended, long.ended)
+
+
 def test_results_md_is_what_the_recorded_json_gives():
     # benchmarks/RESULTS.md is rendered from benchmarks/results/: a table edited by hand,
     # or JSON recorded without rendering again, fails here.

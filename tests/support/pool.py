@@ -251,7 +251,9 @@ def wait_all(jobs, timeout, during=None):
     timeout passed (then every job is stopped); True if all ended by themselves."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(job.poll() is not None for job in jobs):
+        # Every job polled each time (a list, not all() over a generator, which stops at the
+        # first job still running): a job's end time is when its poll first sees it ended.
+        if all([job.poll() is not None for job in jobs]):
             return True
         if during is not None:
             during()
