@@ -9,8 +9,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Alone, after the parallel phase of scripts/test.sh: the smoke runs check what they print,
-# not how fast, but they are the suite's heaviest CPU users; beside the other jobs they made
-# that phase 9 minutes longer (1,752 s against 1,208 s) for the 4.5 they took alone.
+# not how fast, but they are the suite's heaviest CPU users, and beside the other jobs they
+# made that phase longer than they take alone.
 pytestmark = pytest.mark.serial
 
 

@@ -3,8 +3,7 @@
 least 0.7 of the state (it saved 72-99 MB of 200 with the buffers, the optimizer's
 temporaries and the copies a step held before). Each job in a process of its own. Run
 alone (``serial``): the peak depends on how far the swap's reads and writes overlap the step,
-which a loaded machine changes (0.69 of the state saved in a run beside other tests, 0.7 and
-more alone)."""
+which a loaded machine changes."""
 import subprocess
 import sys
 
