@@ -30,15 +30,14 @@ def test_goodput_optimize():
 
 @pytest.mark.distributed
 def test_overhead():
-    # 12 launches (both loops, and each loop's memory alone, at 1 and 2 processes): 5 min
-    # of wall time on a 2-core machine four jobs share.
-    out = bench("overhead.py", "--model", "mlp-small,mlp-8m", "--steps", "10", "--warmup", "2",
-                "--rounds", "1", timeout=480)
+    # One model: each model is 6 launches (both loops, and each loop's memory alone, at 1
+    # and 2 processes), and a second model goes through the same code.
+    out = bench("overhead.py", "--model", "mlp-small", "--steps", "10", "--warmup", "2",
+                "--rounds", "1", timeout=300)
     assert re.search(r"^overhead_ratio=[0-9.]+", out, re.M)
     rows = re.findall(r"^ *(mlp-\S+) +(\d) +1 +[0-9.]+ +[0-9.]+ +([0-9.]+) +([0-9.]+)-([0-9.]+) +[0-9.]+ "
                       r"+\d+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$", out, re.M)  # ... ledger ms, share
-    assert [row[:2] for row in rows] == [("mlp-small", "1"), ("mlp-small", "2"), ("mlp-8m", "1"),
-                                         ("mlp-8m", "2")], out
+    assert [row[:2] for row in rows] == [("mlp-small", "1"), ("mlp-small", "2")], out
     # The interval holds the median ratio.
     assert all(float(low) <= float(ratio) <= float(high) for *_, ratio, low, high in rows), out
 
@@ -81,7 +80,7 @@ def test_optimizer_swap(tmp_path):
     ("markov_text", "16,32", "3.9,3.8,3.7")])
 def test_time_to_accuracy(tmp_path, workload, batches, targets):
     out = bench("time_to_accuracy.py", "--workload", workload, "--seeds", "1", "--first-seed", "4",
-                "--batches", batches, "--targets", targets, "--size", "0.05", "--max-seconds", "3",
+                "--batches", batches, "--targets", targets, "--size", "0.05", "--max-seconds", "1",
                 "--read-every", "256", "--out", str(tmp_path / "curves.json"), timeout=120)
     assert len(re.findall(r"^ +[0-9.]+ +[0-9.inf]+ \[", out, re.M)) == 3, out
     assert len(re.findall(r"^\[ *\d+s\] seed 4 ", out, re.M)) == 3, out
@@ -100,7 +99,7 @@ def test_time_to_accuracy_at_two_processes(tmp_path):
     # for itself; they must stop together.
     out = bench("time_to_accuracy.py", "--workload", "digits", "--procs", "2", "--seeds", "1",
                 "--batches", "32,64", "--targets", "0.99,0.995,0.999", "--size", "0.05",
-                "--max-seconds", "3", "--read-every", "256", "--out", str(tmp_path / "c.json"),
+                "--max-seconds", "1", "--read-every", "256", "--out", str(tmp_path / "c.json"),
                 timeout=240)
     assert len(re.findall(r"^ +0\.99\d* +inf \[", out, re.M)) == 3, out
 
