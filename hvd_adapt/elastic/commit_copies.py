@@ -37,7 +37,10 @@ it shows a tensor unchanged since the last commit (a write through ``.data`` lea
 version counter as it was, and a fingerprint is a sample), and a copy skipped on a wrong
 guess would restore a stale value without a word. The copies run while the next forward
 does, so what they cost is memory bandwidth, not the step. Tied weights (one tensor under two names) are copied
-once.
+once. On the CPU the copying thread copies between numpy views of each source and its
+buffer, and the next commit reuses them wherever its copy is into the same buffer from the
+same memory (a tensor given new memory gets new ones): making them was most of what a small
+tensor's copy cost, and a transformer's commit has thousands.
 """
 import atexit
 import queue
@@ -99,27 +102,54 @@ def _copy_now(dst, src):
     dst.copy_(src, non_blocking=dst.is_cuda != src.is_cuda)
 
 
-def _copy_on_cpu(dst, src):
-    # numpy, not torch: torch's copy on another thread starts an OpenMP team of its own
-    # that spins on the cores the training thread uses (and numpy's is the faster memcpy).
-    # Both as raw integers: numpy has no bfloat16.
+def _numpy_views(dst, src):
+    """``(dst, src)`` as numpy arrays of raw integers that one ``np.copyto`` copies: numpy,
+    not torch, because torch's copy on another thread starts an OpenMP team of its own that
+    spins on the cores the training thread uses (and numpy's is the faster memcpy); raw
+    integers because numpy has no bfloat16."""
     flat_dst, flat_src = _dense_flat(dst), _dense_flat(src)
     if flat_dst is not None and flat_src is not None and dst.stride() == src.stride():
-        np.copyto(flat_dst.numpy(), flat_src.numpy())
+        return flat_dst.numpy(), flat_src.numpy()
+    return _integers(dst).numpy(), _integers(src.detach()).numpy()
+
+
+def _copy_on_cpu(copy):
+    """A deferred copy, on the copying thread: through the numpy views of the last commit's
+    copy into the same buffer where its source is the same memory (the same address and
+    layout: the views keep the memory they show alive, so no other tensor can have taken
+    its address)."""
+    last, copy.last = copy.last, None
+    if last is not None and last.views is not None and last.dst is copy.dst \
+            and last.src.data_ptr() == copy.src.data_ptr() and last.src.shape == copy.src.shape \
+            and last.src.stride() == copy.src.stride() and last.src.dtype == copy.src.dtype:
+        copy.views = last.views
     else:
-        np.copyto(_integers(dst).numpy(), _integers(src.detach()).numpy())
+        copy.views = _numpy_views(copy.dst, copy.src)
+    np.copyto(*copy.views)
+
+
+def label_text(label):
+    """A value's name in errors from its label: a string, or a ``(parent label, key)`` pair
+    for an item of a dict (``name['key']``) or a list (``name[0]``)."""
+    keys = []
+    while isinstance(label, tuple):
+        label, key = label
+        keys.append(f"[{key!r}]")
+    return label + "".join(reversed(keys))
 
 
 class _Copy:
     """One tensor of a commit: its buffer, its source, what the source was at the commit."""
 
-    __slots__ = ("dst", "src", "version", "print", "label", "on_cpu")
+    __slots__ = ("dst", "src", "version", "print", "label", "on_cpu", "views", "last")
 
-    def __init__(self, dst, src, label, check=False):
+    def __init__(self, dst, src, label, check=False, last=None):
         self.dst, self.src, self.label = dst, src, label
         self.version = src._version
         self.on_cpu = not (dst.is_cuda or src.is_cuda)
         self.print = fingerprint(src) if check and self.on_cpu else None
+        self.views = None      # CPU: the numpy arrays the copying thread copied between
+        self.last = last       # the last commit's copy into the same buffer, if any
 
     def holds_commit(self):
         """The buffer holds the source's commit-time fingerprint (where one was taken)."""
@@ -161,6 +191,11 @@ class CommitCopies:
         self._host_events = []    # CUDA: what a host read of the snapshot must wait for
         self._queue = None
         self._stream = None
+        # The last checked commit's CPU copies by their buffer (id: each holds its buffer):
+        # a model's tensors are the same from one commit to the next, and making the numpy
+        # views is most of a small tensor's copy (a transformer's commit has thousands).
+        self._last = {}
+        self._made = []           # CPU copies checked since the last commit began
 
     # -- a commit --------------------------------------------------------------------
     def begin(self, step_written=(), defer=True):
@@ -176,20 +211,37 @@ class CommitCopies:
         self._step_written = step_written
         self._later = ([], []) if defer else None
         self._sources = {}
+        self._last = {id(c.dst): c for c in self._made}
+        self._made = []
 
     def copy(self, dst, src, label, deferred):
         """Fill ``dst`` from ``src`` for this commit: now, or after the commit returns where
-        ``deferred`` (a parameter or an optimizer's state)."""
-        src = src.detach()
-        where = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device)
-        if where in self._sources and src.data_ptr():
-            # Tied weights (one tensor under two names): one copy, shared by both names.
-            return self._sources[where]
-        self._sources[where] = dst
+        ``deferred`` (a parameter or an optimizer's state). ``label`` names the value in
+        errors: a string, or ``(parent label, key)`` pairs (see :func:`label_text`), which
+        are formatted only when an error needs them.
+
+        This runs for every tensor of the State at every commit, on the training thread:
+        it does only what each tensor needs (a model has hundreds, and with its
+        optimizer's moments and step counts a transformer's commit passes here thousands
+        of times)."""
+        if src.requires_grad:
+            src = src.detach()
+        ptr = src.data_ptr()
+        if ptr:
+            seen = self._sources.get(ptr)
+            if seen is None:
+                self._sources[ptr] = [(src, dst)]
+            else:
+                for other, other_dst in seen:
+                    if other.shape == src.shape and other.stride() == src.stride() \
+                            and other.dtype == src.dtype and other.device == src.device:
+                        # Tied weights (one tensor under two names): one copy, shared.
+                        return other_dst
+                seen.append((src, dst))
         if deferred and self._later is not None:
-            phase = self._later[STEP if src.data_ptr() in self._step_written else FORWARD]
+            phase = self._later[STEP if ptr in self._step_written else FORWARD]
             check = (len(phase) + self._turn) % self._stride == 0
-            phase.append(_Copy(dst, src, label, check))
+            phase.append(_Copy(dst, src, label, check, self._last.get(id(dst))))
         else:
             _copy_now(dst, src)
             self._device_now = self._device_now or dst.is_cuda or src.is_cuda
@@ -256,7 +308,7 @@ class CommitCopies:
             changed = [c for c in phase.cpu if not c.holds_commit()]
         if changed:
             self._phases = []
-            names = ", ".join(c.label for c in changed[:5])
+            names = ", ".join(label_text(c.label) for c in changed[:5])
             more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
             raise CommitCopyError(
                 f"{names}{more} changed after state.commit() while the commit was copying it "
@@ -265,6 +317,7 @@ class CommitCopies:
                 "EMA's update does), or before the commit, or call state.wait_for_commit() "
                 "first")
         phase.checked = True
+        self._made.extend(c for c in phase.cpu if c.views is not None)
         if phase.event is not None:
             torch.cuda.current_stream().wait_event(phase.event)
 
@@ -302,7 +355,7 @@ def _copy_phases(jobs):
         for phase in phases:
             try:
                 for c in phase.cpu:
-                    _copy_on_cpu(c.dst, c.src)
+                    _copy_on_cpu(c)
             except BaseException as e:     # made again, checked, at the wait
                 phase.failure = e
             finally:

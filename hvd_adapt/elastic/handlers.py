@@ -32,7 +32,8 @@ def snapshot(value, previous=None, to_host=False, copies=None, deferred=(), labe
     :class:`~hvd_adapt.elastic.commit_copies.CommitCopies`, during a commit)
     the copies go through it, made after the commit returns for tensors whose
     storage address is in ``deferred`` (what only an optimizer step writes);
-    ``label`` names the value in errors.
+    ``label`` names the value in errors (items get ``(label, key)`` pairs, formatted
+    only where an error names them: a commit passes here for every tensor).
 
     >>> import torch
     >>> first = snapshot({"w": torch.zeros(2), "step": 1})
@@ -57,7 +58,7 @@ def snapshot(value, previous=None, to_host=False, copies=None, deferred=(), labe
     if type(value) in (dict, collections.OrderedDict):
         before = previous if isinstance(previous, dict) else {}
         out = type(value)((k, snapshot(v, before.get(k), to_host, copies, deferred,
-                                       f"{label}[{k!r}]"))
+                                       (label, k)))
                           for k, v in value.items())
         if hasattr(value, "_metadata"):
             # Module.state_dict() keeps per-module versions here for load_state_dict.
@@ -71,7 +72,7 @@ def snapshot(value, previous=None, to_host=False, copies=None, deferred=(), labe
             return value if type(value) is tuple else list(value)
         before = previous if type(previous) is type(value) and len(previous) == len(value) \
             else [None] * len(value)
-        return type(value)(snapshot(v, p, to_host, copies, deferred, f"{label}[{i}]")
+        return type(value)(snapshot(v, p, to_host, copies, deferred, (label, i))
                            for i, (v, p) in enumerate(zip(value, before)))
     return copy.deepcopy(value)
 

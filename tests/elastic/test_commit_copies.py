@@ -131,11 +131,11 @@ def held_copies(monkeypatch):
     release, started = threading.Event(), threading.Event()
     real = commit_copies._copy_on_cpu
 
-    def held(dst, src):
+    def held(copy):
         if threading.current_thread() is not threading.main_thread():
             started.set()
             release.wait()
-        real(dst, src)
+        real(copy)
 
     monkeypatch.setattr(commit_copies, "_copy_on_cpu", held)
     return release, started
@@ -160,12 +160,12 @@ def test_a_restore_while_the_copy_runs_waits_for_it(held_copies):
 def test_a_copy_that_failed_on_its_thread_is_made_again_at_the_wait(monkeypatch):
     real, calls = commit_copies._copy_on_cpu, []
 
-    def fails_once(dst, src):
+    def fails_once(copy):
         if threading.current_thread() is not threading.main_thread():
             calls.append(1)
             if len(calls) == 3:
                 raise MemoryError("no room for the copy")
-        real(dst, src)
+        real(copy)
 
     monkeypatch.setattr(commit_copies, "_copy_on_cpu", fails_once)
     state, model, opt, ema = make_job()
@@ -358,3 +358,40 @@ def test_a_process_that_exits_while_its_copies_run_exits_cleanly(tmp_path):
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0 and "terminate" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_next_commit_copies_through_the_same_views_unless_a_tensor_was_replaced(
+        monkeypatch):
+    # Making a copy's numpy views is most of what a small tensor's copy costs on the copying
+    # thread, so a commit reuses the last one's; a tensor given new memory between commits
+    # (assigned through .data, as pruning or a resized embedding does) gets new ones, and the
+    # commit holds its new values.
+    made = []
+    real = commit_copies._numpy_views
+
+    def counted(dst, src):
+        made.append(src.data_ptr())
+        return real(dst, src)
+
+    monkeypatch.setattr(commit_copies, "_numpy_views", counted)
+    state, model, opt, ema = make_job()
+    step(model, opt, ema, 0)
+    state.commit()
+    state.wait_for_commit()
+    first = len(made)
+    assert first > 0
+    step(model, opt, ema, 1)
+    state.commit()
+    state.wait_for_commit()
+    assert len(made) == first                 # every copy through the views already made
+    with torch.no_grad():
+        model[4].weight.data = torch.full_like(model[4].weight, 0.25)
+    replaced = model[4].weight.data_ptr()
+    state.commit()
+    committed = everything(model, opt, ema)
+    state.wait_for_commit()
+    assert made[first:] == [replaced]         # the replaced tensor alone got new views
+    step(model, opt, ema, 2)
+    state.restore()
+    assert torch.equal(model[4].weight, torch.full_like(model[4].weight, 0.25))
+    assert_bitwise(everything(model, opt, ema), committed)
