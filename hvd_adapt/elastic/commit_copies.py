@@ -115,16 +115,18 @@ def _numpy_views(dst, src):
 
 def _copy_on_cpu(copy):
     """A deferred copy, on the copying thread: through the numpy views of the last commit's
-    copy into the same buffer where its source is the same memory (the same address and
-    layout: the views keep the memory they show alive, so no other tensor can have taken
-    its address)."""
+    copy into the same buffer where both the buffer and the source are still at the
+    addresses the views show, with the same layout (views show addresses, so that is all a
+    view needs to show the same bytes)."""
     last, copy.last = copy.last, None
+    where = (copy.dst.data_ptr(), copy.src.data_ptr())
     if last is not None and last.views is not None and last.dst is copy.dst \
-            and last.src.data_ptr() == copy.src.data_ptr() and last.src.shape == copy.src.shape \
+            and last.where == where and last.src.shape == copy.src.shape \
             and last.src.stride() == copy.src.stride() and last.src.dtype == copy.src.dtype:
         copy.views = last.views
     else:
         copy.views = _numpy_views(copy.dst, copy.src)
+    copy.where = where
     np.copyto(*copy.views)
 
 
@@ -141,14 +143,16 @@ def label_text(label):
 class _Copy:
     """One tensor of a commit: its buffer, its source, what the source was at the commit."""
 
-    __slots__ = ("dst", "src", "version", "print", "label", "on_cpu", "views", "last")
+    __slots__ = ("dst", "src", "version", "print", "label", "on_cpu", "views", "where",
+                 "last")
 
     def __init__(self, dst, src, label, check=False, last=None):
         self.dst, self.src, self.label = dst, src, label
         self.version = src._version
         self.on_cpu = not (dst.is_cuda or src.is_cuda)
         self.print = fingerprint(src) if check and self.on_cpu else None
-        self.views = None      # CPU: the numpy arrays the copying thread copied between
+        self.views = None      # CPU: the numpy arrays the copying thread copied between,
+        self.where = None      # and the addresses of dst and src they show
         self.last = last       # the last commit's copy into the same buffer, if any
 
     def holds_commit(self):
