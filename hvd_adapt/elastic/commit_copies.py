@@ -228,8 +228,9 @@ class CommitCopies:
         it does only what each tensor needs (a model has hundreds, and with its
         optimizer's moments and step counts a transformer's commit passes here thousands
         of times)."""
-        if src.requires_grad:
-            src = src.detach()
+        # An alias of the source as it is now: a tensor given new memory before its copy
+        # is made (``.data =``, ``set_()``) is still copied from what it held at the commit.
+        src = src.detach()
         ptr = src.data_ptr()
         if ptr:
             seen = self._sources.get(ptr)

@@ -395,3 +395,23 @@ def test_the_next_commit_copies_through_the_same_views_unless_a_tensor_was_repla
     state.restore()
     assert torch.equal(model[4].weight, torch.full_like(model[4].weight, 0.25))
     assert_bitwise(everything(model, opt, ema), committed)
+
+
+def test_state_given_new_memory_while_the_copy_waits_is_still_copied_as_committed(
+        held_copies):
+    # The copy holds an alias of each source as it was at the commit: an optimizer's
+    # moment given new memory through .data before the thread reached it (found by an
+    # attacker: copied from the new memory, and restored as such, where no fingerprint
+    # looked) is still restored as committed.
+    release, started = held_copies
+    state, model, opt, ema = make_job()
+    step(model, opt, ema, 0)
+    state.commit()
+    committed = everything(model, opt, ema)
+    assert started.wait(30)
+    for per_param in opt.state.values():
+        per_param["exp_avg"].data = torch.full_like(per_param["exp_avg"], 9.0)
+    release.set()
+    state.wait_for_commit()
+    state.restore()
+    assert_bitwise(everything(model, opt, ema), committed)
