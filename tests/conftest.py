@@ -10,7 +10,20 @@ import pytest
 from support.gloo_store import Store
 
 # Worker scripts run a job when imported: --doctest-modules must not import them.
-collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py"]
+collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py",
+                       "support/site/*.py"]
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "site")
+
+
+def pytest_configure(config):
+    """The processes the suite starts import tests/support/site/sitecustomize.py, which spares
+    each the import of ``torch._dynamo`` that torch's eager optimizers make and do not use;
+    ``HVD_ADAPT_TEST_TORCH_AS_IS=1`` runs them as a user's processes run."""
+    if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
+        return
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if SITE not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([SITE] + paths)
 
 
 @pytest.fixture(autouse=True, scope="session")

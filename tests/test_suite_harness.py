@@ -1,0 +1,70 @@
+"""The suite's processes import tests/support/site/sitecustomize.py (see tests/conftest.py): torch's
+eager optimizers there must train bit for bit as in a process without it, and without importing
+``torch._dynamo``; a compiled model must still get torch's own wrappers."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support.launch import launch_env
+
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "site")
+
+# Every optimizer method torch marks (add_param_group, zero_grad, state_dict, load_state_dict,
+# step) and a scheduler, clipping and a GradScaler, as the workers use them.
+TRAIN = """
+import hashlib, json, sys
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "lr": 0.1})
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+if sys.argv[1] == "compiled":
+    model = torch.compile(model, backend="eager")
+for step in range(4):
+    opt.zero_grad(set_to_none=True)
+    loss = model(torch.randn(5, 8)).square().mean() + opt.param_groups[1]["params"][0].sum()
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    if step == 1:
+        opt.load_state_dict(opt.state_dict())
+digest = hashlib.sha256()
+for tensor in list(model.state_dict().values()) + [
+        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]:
+    digest.update(tensor.detach().numpy().tobytes())
+print(json.dumps({"digest": digest.hexdigest(), "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+def run(mode, site):
+    env = launch_env("/nonexistent")
+    paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p != SITE]
+    env["PYTHONPATH"] = os.pathsep.join(([SITE] if site else []) + paths)
+    done = subprocess.run([sys.executable, "-c", TRAIN, mode], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_suites_processes_start_with_the_site_unless_told_to_run_torch_as_is():
+    if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
+        assert SITE not in launch_env("/nonexistent")["PYTHONPATH"].split(os.pathsep)
+    else:
+        assert SITE in launch_env("/nonexistent")["PYTHONPATH"].split(os.pathsep)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_optimizers_train_bit_for_bit_as_without_the_site(mode):
+    with_site, as_is = run(mode, site=True), run(mode, site=False)
+    assert with_site["digest"] == as_is["digest"]
+    # Compiling imports torch._dynamo; from then on the wrappers are torch's own.
+    assert as_is["dynamo"] and with_site["dynamo"] == (mode == "compiled"), (
+        "the site no longer keeps torch._dynamo out of an eager process: has torch renamed "
+        "_disable_dynamo or _use_grad_for_differentiable?")
