@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from support.gloo_store import Store
+from support.launch import SITE
 
 # Worker scripts run a job when imported: --doctest-modules must not import them.
 collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py",
                        "support/site/*.py"]
-SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "site")
 
 
 def pytest_configure(config):

@@ -8,9 +8,7 @@ import sys
 
 import pytest
 
-from support.launch import launch_env
-
-SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "site")
+from support.launch import SITE, launch_env, torch_as_is
 
 # Every optimizer method torch marks (add_param_group, zero_grad, state_dict, load_state_dict,
 # step) and a scheduler, clipping and a GradScaler, as the workers use them.
@@ -44,9 +42,9 @@ print(json.dumps({"digest": digest.hexdigest(), "dynamo": "torch._dynamo" in sys
 
 
 def run(mode, site):
-    env = launch_env("/nonexistent")
-    paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p != SITE]
-    env["PYTHONPATH"] = os.pathsep.join(([SITE] if site else []) + paths)
+    env = torch_as_is(launch_env("/nonexistent"))
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
     done = subprocess.run([sys.executable, "-c", TRAIN, mode], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hvd_adapt.scheduling import ready, standby
-from support.launch import alive
+from support.launch import alive, torch_as_is
 from support.second_user import OTHER_UID, as_other_user, other_user_running
 
 WORKER = [sys.executable, "-m", "hvd_adapt.scheduling.standby"]
@@ -59,7 +59,7 @@ def setup(tmp_path):
     def start_standby(host="h1", cmd=None):
         proc = subprocess.Popen(WORKER + ["--standby", "--standby-dir", str(tmp_path / "ready"),
                                           "--host", host, "--"] + (cmd or command),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env=torch_as_is(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         supervisors.append(proc)
         deadline = time.time() + 60
         while not ready.ready_files(str(tmp_path / "ready"), host):
@@ -71,8 +71,8 @@ def setup(tmp_path):
     def launch(env=None, host="h1", **kwargs):
         return subprocess.Popen(WORKER + ["--standby-dir", str(tmp_path / "ready"),
                                           "--pass-env", "FOO", "--pass-env", "MODE", "--"]
-                                + command, env=dict(os.environ, HOROVOD_HOSTNAME=host,
-                                                    **(env or {})),
+                                + command, env=torch_as_is(dict(os.environ, HOROVOD_HOSTNAME=host,
+                                                                **(env or {}))),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 **kwargs)
 

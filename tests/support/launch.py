@@ -15,6 +15,9 @@ import tempfile
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(TESTS, "distributed", "workers")
 BIN = os.path.dirname(sys.executable)
+# Its sitecustomize.py spares the suite's processes torch's import of torch._dynamo
+# (tests/conftest.py puts it on their PYTHONPATH; docs/layout.md says why).
+SITE = os.path.join(TESTS, "support", "site")
 
 
 def alive(pid):
@@ -41,6 +44,13 @@ def launch_env(out_dir, extra=None):
         else:
             env[key] = value
     return env
+
+
+def torch_as_is(env):
+    """``env`` without tests/support/site on its PYTHONPATH: the processes run torch as a
+    user's would, for a test of what a process has imported."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE]
+    return dict(env, PYTHONPATH=os.pathsep.join(paths))
 
 
 def horovodrun_command(np, script_args, hosts=None):
