@@ -4,7 +4,7 @@ tests/support/launch.py puts it on the path of the jobs it starts).
 - launch: run real multi-process Horovod jobs (horovodrun, mpirun, one process) and read
   what each rank reported; whether a process is alive
 - elastic_jobs: elastic ``horovodrun`` jobs with a discovery script that changes over time
-- hvdrun_fast_discovery: ``horovodrun`` polling its discovery every 0.2 s (run by path)
+- hvdrun_fast_discovery: ``horovodrun`` polling its discovery every 0.5 s (run by path)
 - training_logs: read the workers' training logs and check every sample once, replicas alike
 - soak: the seeded elastic soaks (also a script: ``python tests/support/soak.py --help``)
 - bed: a cluster of network namespaces with an sshd each; faults: elastic jobs on it with a

@@ -56,7 +56,7 @@ def run_elastic(schedule, np, min_np, max_np, worker_args, timeout=180, env=None
     returns the job, every rank's commits and rank 0's epoch totals. ``discovery(script)``
     turns the schedule's discovery script into the one horovodrun runs (a wrapper);
     ``launch_prefix`` goes before the training command (a launch stub); ``launcher``:
-    horovodrun polling discovery every 0.2 s (default) or the real one."""
+    horovodrun polling discovery every 0.5 s (default) or the real one."""
     out_dir = out_dir or tempfile.mkdtemp(prefix="hvd_adapt_elastic_")
     script = discovery_script(out_dir, schedule)
     command = [sys.executable, launcher, "-np", str(np), "--min-np", str(min_np),
