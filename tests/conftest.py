@@ -19,9 +19,13 @@ def pytest_configure(config):
     """The processes the suite starts import tests/support/site/sitecustomize.py, which spares
     each the import of ``torch._dynamo`` that torch's eager optimizers make and do not use;
     ``HVD_ADAPT_TEST_TORCH_AS_IS=1`` runs them as a user's processes run."""
-    if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
-        return
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
+        if SITE in paths:
+            # Inherited from a suite's process: this one has imported the site already.
+            raise pytest.UsageError(f"HVD_ADAPT_TEST_TORCH_AS_IS=1, but PYTHONPATH names {SITE}: "
+                                    "take it off PYTHONPATH")
+        return
     if SITE not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([SITE] + paths)
 

@@ -66,3 +66,50 @@ def test_optimizers_train_bit_for_bit_as_without_the_site(mode):
     assert as_is["dynamo"] and with_site["dynamo"] == (mode == "compiled"), (
         "the site no longer keeps torch._dynamo out of an eager process: has torch renamed "
         "_disable_dynamo or _use_grad_for_differentiable?")
+
+
+def test_a_process_without_torch_loads_nothing_more_than_the_site():
+    # Every process the suite starts imports it: Horovod's discovery polls start one each.
+    count = "import sys; print(sorted(sys.modules))"
+    env = torch_as_is(launch_env("/nonexistent"))
+    bare = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True)
+    env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
+    site = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True)
+    assert set(eval(site.stdout)) - set(eval(bare.stdout)) == {"sitecustomize"}
+
+
+def test_a_torch_whose_wrappers_take_more_arguments_imports_as_it_would_without_the_site(tmp_path):
+    # A later torch may give _disable_dynamo another keyword (torch._dynamo.disable has reason=).
+    files = {
+        "torch/__init__.py": "from torch._compile import _disable_dynamo\nimport torch.optim\n",
+        "torch/_compile.py": (
+            "import functools\n"
+            "def _disable_dynamo(fn=None, recursive=True, reason=None):\n"
+            "    if fn is None:\n"
+            "        return functools.partial(_disable_dynamo, recursive=recursive, reason=reason)\n"
+            "    fn.reason = reason\n"
+            "    return fn\n"),
+        "torch/optim/__init__.py": "from torch.optim import optimizer\n",
+        "torch/optim/optimizer.py": (
+            "import torch\n"
+            "def _use_grad_for_differentiable(func):\n"
+            "    return func\n"
+            "@torch._disable_dynamo(reason='why')\n"
+            "def f():\n"
+            "    return f.__wrapped__.reason if hasattr(f, '__wrapped__') else f.reason\n"),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SITE, str(tmp_path)]))
+    done = subprocess.run([sys.executable, "-c", "import torch.optim.optimizer as o; print(o.f())"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "why", done.stderr
+
+
+def test_running_torch_as_is_with_the_site_already_on_pythonpath_is_refused():
+    env = dict(os.environ, HVD_ADAPT_TEST_TORCH_AS_IS="1", PYTHONPATH=SITE)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--co", os.path.abspath(__file__)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and f"PYTHONPATH names {SITE}" in done.stdout + done.stderr

@@ -18,9 +18,11 @@ wrappers call the function as in eager mode; from then on they are torch's own,
 unchanged. If a torch version names these functions differently nothing is
 patched and tests/test_suite_harness.py says so.
 """
-import functools
-import importlib.abc
 import sys
+
+# Every Python process the suite starts imports this file, torch or not (Horovod's discovery
+# polls each start one): nothing is imported here that a bare interpreter has not loaded.
+# functools is imported by the patches alone, in processes that import torch.
 
 
 def _dynamo_loaded():
@@ -28,14 +30,16 @@ def _dynamo_loaded():
 
 
 def _patch_disable_dynamo(module):
+    import functools
     original = getattr(module, "_disable_dynamo", None)
     if original is None:
         return
 
-    def _disable_dynamo(fn=None, recursive=True):
+    # Whatever else torch's takes is passed through to it.
+    def _disable_dynamo(fn=None, *args, **kwargs):
         if fn is None:
-            return functools.partial(_disable_dynamo, recursive=recursive)
-        disabled = original(fn, recursive)
+            return functools.partial(_disable_dynamo, *args, **kwargs)
+        disabled = original(fn, *args, **kwargs)
 
         @functools.wraps(fn)
         def inner(*args, **kwargs):
@@ -47,6 +51,7 @@ def _patch_disable_dynamo(module):
 
 
 def _patch_use_grad(module):
+    import functools
     original = getattr(module, "_use_grad_for_differentiable", None)
     if original is None:
         return
@@ -74,7 +79,9 @@ def _patch_use_grad(module):
 _PATCHES = {"torch._compile": _patch_disable_dynamo, "torch.optim.optimizer": _patch_use_grad}
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
+class _PatchAfterImport:
+    """A meta path finder (an object with ``find_spec``) for the two modules above only."""
+
     def find_spec(self, name, path, target=None):
         patch = _PATCHES.get(name)
         if patch is None:
