@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Alone, after the parallel phase of scripts/test.sh: the smoke runs check what they print,
-# not how fast, but they are the suite's heaviest CPU users, and beside the other jobs they
-# made that phase longer than they take alone.
-pytestmark = pytest.mark.serial
+# The last phase of scripts/test.sh, two at a time: the smoke runs check what they print, not
+# how fast, but they are the suite's heaviest CPU users, and beside the other jobs they made
+# the first phase longer than they take on their own.
+pytestmark = pytest.mark.smoke
 
 
 def bench(name, *args, timeout=120):
