@@ -11,8 +11,9 @@ names its evidence (the caller logs it). Three places act on these rules:
   (its standard output or error has no reader any more: horovodrun, or the ssh
   that carried the command, ended); the rendezvous server refuses connections
   (horovodrun's process is gone); or its peers reset (their marker on the
-  server) while the worker is stopped (``/proc`` state T, its heartbeat silent
-  since the poll before: not a profiler's pause of a moment) or its own heartbeat
+  server) while the worker is stopped (``/proc`` state T at two polls in a row,
+  its heartbeat silent since the poll before them: not a profiler's pause of a
+  moment, nor such pauses on a loaded machine) or its own heartbeat
   (a thread of the training process) is silent while the process uses no
   CPU. A worker that computes beats and is never ended, however long it
   computes alone: it joins its peers' reset when its next collective fails, as
@@ -49,6 +50,10 @@ IDLE_CPU_SHARE = 0.1
 # Refusals in a row that end the worker: one refusal may be a port's hiccup, two a second
 # apart are a launcher that is gone.
 REFUSALS = 2
+# Polls in a row that must see the worker stopped, its heartbeat silent all the while: a
+# worker paused for moments (SIGSTOP and SIGCONT in turn, 50 ms each) on a machine whose cores
+# were all busy was seen stopped, not having beaten since the poll before, at one poll.
+STOPPED_POLLS = 2
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -73,6 +78,7 @@ class Judge:
         self.server = server
         self.silent_seconds = silent_seconds
         self.refusals = 0
+        self.stopped = 0             # polls in a row that saw it stopped, and no beat
         self.beats = None            # the heartbeat's last value seen,
         self.beat_at = None          # when it changed,
         self.cpu_at_beat = None      # and the process's CPU seconds then
@@ -88,6 +94,12 @@ class Judge:
         its CPU seconds (all its threads)."""
         if beats != self.beats:
             self.beats, self.beat_at, self.cpu_at_beat = beats, now, cpu
+        # Stopped at polls in a row with no beat since the poll before them (counted whether
+        # or not the peers reset, so that one stopped long before they did is named so): a
+        # profiler's samples (py-spy pauses the process for each) and cpulimit's
+        # SIGSTOP/SIGCONT leave it stopped for moments, and it goes on between them.
+        stopped = state in ("T", "t") and now > self.beat_at
+        self.stopped = self.stopped + 1 if stopped else 0
         if closed_streams:
             return (f"the launcher's session to it is gone (its {' and '.join(closed_streams)} "
                     "has no reader: horovodrun, or the ssh that carried its command, ended)")
@@ -100,12 +112,9 @@ class Judge:
             # however long, nothing shows that this worker holds anyone up.
             return None
         silent = now - self.beat_at
-        # Stopped, and stopped since the last poll at least (its heartbeat has not beaten
-        # since): a profiler's samples (py-spy pauses the process for each) and cpulimit's
-        # SIGSTOP/SIGCONT leave it stopped for moments, and it goes on between them.
-        if state in ("T", "t") and silent > 0:
-            return (f"it is stopped (/proc state {state}) while its peers reset (its heartbeat "
-                    f"silent for {silent:.0f} s)")
+        if self.stopped >= STOPPED_POLLS:
+            return (f"it is stopped (/proc state {state}) while its peers reset (seen stopped at "
+                    f"{self.stopped} polls in a row, its heartbeat silent for {silent:.0f} s)")
         used = cpu - self.cpu_at_beat
         if silent >= self.silent_seconds and used < IDLE_CPU_SHARE * silent:
             return (f"its heartbeat has been silent for {silent:.0f} s and the process "

@@ -20,14 +20,15 @@ after that checkpoint is trained again by the next, in its place.
 
 How it tells the script's end from the driver's giving up, on evidence:
 
-- horovodrun exited 0: the script finished; exit 0.
 - every rank of one world left a script-end record (``hvd_adapt.run``
   writes one when an error or exit of the script's own leaves the training
   function: see :mod:`hvd_adapt._runtime.script_end`): the script ended
   (its own error, a drain after SIGTERM); exit with its code (the lowest
   rank's that is not 0: 1 for an exception, 143 for a drain; horovodrun's
-  where every rank said 0), not restarted. A record from some
-  ranks only is a worker's failure, as Horovod treats it.
+  where every rank said 0), not restarted, whatever horovodrun's own code
+  (one told to stop has exited 0 after every rank drained). A record from
+  some ranks only is a worker's failure, as Horovod treats it.
+- otherwise, horovodrun exited 0: the script finished; exit 0.
 - ``hvd-adapt-run`` was asked to stop (SIGTERM, SIGINT): it passed the signal
   to horovodrun, which passes it to the workers (they drain where the
   script installed ``install_sigterm_drain``); never restarted.
@@ -368,12 +369,15 @@ class JobSupervisor:
     def judge(self, returncode, output):
         """``(restart, exit code, why)`` for a run that ended with ``returncode``."""
         code = exit_status(returncode)
+        ended = output.script_ended()
+        # Every rank's own record of its end outranks horovodrun's code: a horovodrun told to
+        # stop has exited 0 after every rank drained with 143 (seen once, elastic, on a loaded
+        # machine), and a drained job must not look finished to whatever runs it.
+        if ended is not None and (ended[0] or returncode):
+            # Where horovodrun failed, the job did: never 0, even where every rank said 0.
+            return False, ended[0] or code, f"the script ended: {ended[1]}"
         if returncode == 0:
             return False, 0, "the script finished"
-        ended = output.script_ended()
-        if ended is not None:
-            # horovodrun failed, so the job did: never 0, even where every rank said 0.
-            return False, ended[0] or code, f"the script ended: {ended[1]}"
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name
             return False, code, f"stopped by {name} (passed on to horovodrun)"

@@ -61,11 +61,23 @@ def test_a_heartbeat_that_beats_again_restarts_the_count():
 def test_a_stopped_worker_is_ended_only_once_its_peers_reset():
     judge = liveness.Judge()
     assert polls(judge, 0, 30, state="T", beats=1) == [None] * 30
-    assert "stopped (/proc state T) while its peers reset" in judge.observe(
-        30, marker=True, state="T", beats=1)
+    # Stopped for as long before its peers reset: ended at their first sign, and named so.
+    assert "stopped (/proc state T) while its peers reset (seen stopped at 30 polls in a row" \
+        in judge.observe(30, marker=True, state="T", beats=1)
     judge = liveness.Judge()
-    assert judge.observe(0, marker=True, state="t", beats=1) is None
-    assert "state t" in judge.observe(1, marker=True, state="t", beats=1)
+    assert polls(judge, 0, 2, marker=True, state="t", beats=1) == [None] * 2
+    assert "state t" in judge.observe(2, marker=True, state="t", beats=1)
+
+
+def test_a_worker_paused_for_moments_on_a_loaded_machine_is_not_stopped():
+    # SIGSTOP and SIGCONT in turn on busy cores: a poll may find it stopped without a beat
+    # since the poll before, but the next finds it running, or beating.
+    judge = liveness.Judge()
+    beats, seen = 0, [judge.observe(0, marker=True, state="S", beats=0)]
+    for t in range(1, 3600):
+        beats += t % 2 == 0      # a beat between every other pair of polls, none between the rest
+        seen.append(judge.observe(t, marker=True, state="T", beats=beats))
+    assert seen == [None] * len(seen)
 
 
 def test_a_worker_seen_stopped_whose_heartbeat_beats_is_not_stopped():

@@ -187,6 +187,17 @@ def test_a_script_that_exits_0_on_some_ranks_and_raises_on_others_is_no_success(
     # Every rank said 0 but horovodrun failed after: its code, never 0.
     zeros = [format_record("tok", rank, 2, 9, SystemExit(0)).strip() for rank in (0, 1)]
     assert supervisor.judge(3, output(*zeros))[:2] == (False, 3)
+    assert supervisor.judge(0, output(*zeros)) == (False, 0, "the script finished")
+
+
+def test_a_job_every_rank_drained_exits_143_though_horovodrun_said_0(tmp_path):
+    # Seen once on a loaded machine: SIGTERM passed on, both ranks drained (SystemExit 143),
+    # and elastic horovodrun exited 0; the job looked finished to whatever ran it.
+    supervisor = JobSupervisor(["horovodrun"], lock_path=str(tmp_path / "job.lock"))
+    supervisor.stop_signal = signal.SIGTERM
+    drained = [format_record("tok", rank, 2, 2, SystemExit(143)).strip() for rank in (0, 1)]
+    restart, code, why = supervisor.judge(0, output(*drained))
+    assert not restart and code == 143 and "SystemExit: 143" in why
 
 
 def test_the_supervisor_loads_no_training_stack():
