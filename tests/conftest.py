@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from support.gloo_store import Store
-from support.launch import SITE
+from support.launch import SITE, pythonpath, with_site
 
 # Worker scripts run a job when imported: --doctest-modules must not import them.
 collect_ignore_glob = ["distributed/workers/*.py", "support/hvdrun_fast_discovery.py",
@@ -19,15 +19,13 @@ def pytest_configure(config):
     """The processes the suite starts import tests/support/site/sitecustomize.py, which spares
     each the import of ``torch._dynamo`` that torch's eager optimizers make and do not use;
     ``HVD_ADAPT_TEST_TORCH_AS_IS=1`` runs them as a user's processes run."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
-        if SITE in paths:
+        if SITE in pythonpath(os.environ):
             # Inherited from a suite's process: this one has imported the site already.
             raise pytest.UsageError(f"HVD_ADAPT_TEST_TORCH_AS_IS=1, but PYTHONPATH names {SITE}: "
                                     "take it off PYTHONPATH")
         return
-    if SITE not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([SITE] + paths)
+    os.environ.update(with_site(os.environ))
 
 
 @pytest.fixture(autouse=True, scope="session")

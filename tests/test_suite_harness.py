@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.launch import SITE, launch_env, torch_as_is
+from support.launch import SITE, launch_env, pythonpath, torch_as_is, with_site
 
 # Every optimizer method torch marks (add_param_group, zero_grad, state_dict, load_state_dict,
 # step) and a scheduler, clipping and a GradScaler, as the workers use them.
@@ -42,9 +42,7 @@ print(json.dumps({"digest": digest.hexdigest(), "dynamo": "torch._dynamo" in sys
 
 
 def run(mode, site):
-    env = torch_as_is(launch_env("/nonexistent"))
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
+    env = (with_site if site else torch_as_is)(launch_env("/nonexistent"))
     done = subprocess.run([sys.executable, "-c", TRAIN, mode], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,10 +50,8 @@ def run(mode, site):
 
 
 def test_the_suites_processes_start_with_the_site_unless_told_to_run_torch_as_is():
-    if os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1":
-        assert SITE not in launch_env("/nonexistent")["PYTHONPATH"].split(os.pathsep)
-    else:
-        assert SITE in launch_env("/nonexistent")["PYTHONPATH"].split(os.pathsep)
+    as_is = os.environ.get("HVD_ADAPT_TEST_TORCH_AS_IS") == "1"
+    assert (SITE in pythonpath(launch_env("/nonexistent"))) != as_is
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
@@ -70,12 +66,12 @@ def test_optimizers_train_bit_for_bit_as_without_the_site(mode):
 
 def test_a_process_without_torch_loads_nothing_more_than_the_site():
     # Every process the suite starts imports it: Horovod's discovery polls start one each.
-    count = "import sys; print(sorted(sys.modules))"
-    env = torch_as_is(launch_env("/nonexistent"))
-    bare = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True)
-    env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
-    site = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True)
-    assert set(eval(site.stdout)) - set(eval(bare.stdout)) == {"sitecustomize"}
+    def modules(env):
+        done = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps("
+                               "sorted(sys.modules)))"], env=env, capture_output=True, text=True)
+        return set(json.loads(done.stdout))
+    env = launch_env("/nonexistent")
+    assert modules(with_site(env)) - modules(torch_as_is(env)) == {"sitecustomize"}
 
 
 def test_a_torch_whose_wrappers_take_more_arguments_imports_as_it_would_without_the_site(tmp_path):
@@ -101,7 +97,7 @@ def test_a_torch_whose_wrappers_take_more_arguments_imports_as_it_would_without_
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SITE, str(tmp_path)]))
+    env = with_site(dict(os.environ, PYTHONPATH=str(tmp_path)))
     done = subprocess.run([sys.executable, "-c", "import torch.optim.optimizer as o; print(o.f())"],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "why", done.stderr

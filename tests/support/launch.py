@@ -46,11 +46,20 @@ def launch_env(out_dir, extra=None):
     return env
 
 
+def pythonpath(env):
+    """The folders ``env``'s PYTHONPATH names, in order."""
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def torch_as_is(env):
     """``env`` without tests/support/site on its PYTHONPATH: the processes run torch as a
     user's would, for a test of what a process has imported."""
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE]
-    return dict(env, PYTHONPATH=os.pathsep.join(paths))
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in pythonpath(env) if p != SITE))
+
+
+def with_site(env):
+    """``env`` with tests/support/site first on its PYTHONPATH (once)."""
+    return dict(env, PYTHONPATH=os.pathsep.join([SITE] + pythonpath(torch_as_is(env))))
 
 
 def horovodrun_command(np, script_args, hosts=None):
