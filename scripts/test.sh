@@ -14,8 +14,9 @@
 #    and the phase took 1,242 s against 1,408 s 2 at a time;
 # 2. the tests marked `serial`, one at a time on an otherwise quiet machine:
 #    those whose outcome rests on measured speed or memory (the jobs that grow
-#    or stay small by their own throughput, a standby's pause, the pool's
-#    arbiter, the swap's peak memory);
+#    or stay small by their own throughput, the digits example's batch that
+#    grows by its timed steps, a standby's pause, the pool's arbiter, the
+#    swap's peak memory);
 # 3. the benchmarks' smoke runs (`smoke`), two at a time: they check what the
 #    scripts print and time nothing, but they are the heaviest CPU users, so
 #    not beside phase 1; alone, one at a time, they kept 1.2 cores busy.

@@ -32,7 +32,11 @@ def test_digits_reaches_95_percent_single_process(tmp_path):
     assert re.findall(r"^epoch +(\d+)", resumed, re.M) == ["8"]
 
 
-@pytest.mark.parametrize("by_progress", [False, True], ids=["one-pass", "by-progress"])
+@pytest.mark.parametrize("by_progress", [
+    False,
+    # Serial: the batch grows only where its timed steps say a larger one pays (a predicted
+    # 1.16 x here); beside other tests on the two cores, that decision once kept 32.
+    pytest.param(True, marks=pytest.mark.serial)], ids=["one-pass", "by-progress"])
 def test_digits_epochs_by_progress(by_progress):
     # Batches grow past 32 after 50 steps; an epoch by progress then counts a
     # large batch's gain and covers more than one pass of the 1437 samples.

@@ -2,14 +2,51 @@
 
 Each function is a collective: every replica of the world must call it, in the
 same order, or the job hangs. With a world of one they return their input
-without a round trip through Horovod's background thread.
+without a round trip through Horovod's background thread. Every wait for a
+Horovod operation in hvd_adapt goes through :func:`wait`.
 """
 import numbers
 import pickle
 import time
 
+import cloudpickle
 import horovod.torch as hvd
 import torch
+
+#: A wait polls without sleeping for this long, so an operation done within it is seen at
+#: once (a step's last gradient bucket, a commit's vote) ...
+WAIT_SPIN_SECONDS = 0.002
+#: ... then sleeps a twentieth of the time waited so far (so the wait ends at most about 5%
+#: later than the operation), at most this long at a time.
+WAIT_MAX_SLEEP = 0.01
+
+
+def wait(handle):
+    """``hvd.synchronize(handle)`` without keeping a core busy while it waits.
+
+    Horovod 0.28.1 waits for an operation by calling ``std::this_thread::yield`` in a loop
+    (``WaitAndClear`` in horovod/torch/mpi_ops_v2.cc, since horovod/horovod#2101, for
+    latency), holding the GIL. A rank that waits for a slow or lost peer (a slow data loader,
+    rank 0 evaluating alone, a peer gone until Gloo's timeout) keeps a whole core busy for as
+    long as it waits, taken from its loader's workers, the commit's copying thread (which
+    also needs the GIL), and, where ranks share cores, from the very peer it waits for (a
+    rank waiting 12 s for another used 13 CPU-s). Here the wait polls the handle: without
+    sleeping for :data:`WAIT_SPIN_SECONDS`, then sleeping in steps that grow with the time
+    waited (:data:`WAIT_MAX_SLEEP` at most), and takes the result from Horovod once it is
+    done.
+
+    >>> import hvd_adapt, horovod.torch as hvd, torch
+    >>> hvd_adapt.init()
+    >>> wait(hvd.allreduce_async(torch.ones(2), name="doc.wait")).tolist()
+    [1.0, 1.0]
+    """
+    if not hvd.poll(handle):
+        start = time.perf_counter()
+        while not hvd.poll(handle):
+            waited = time.perf_counter() - start
+            if waited >= WAIT_SPIN_SECONDS:
+                time.sleep(min(waited / 20, WAIT_MAX_SLEEP))
+    return hvd.synchronize(handle)
 
 
 def allreduce(value, name=None):
@@ -39,8 +76,8 @@ def allreduce(value, name=None):
     if hvd.size() == 1:
         return value
     dtype = torch.int64 if isinstance(value, numbers.Integral) else torch.float64
-    summed = hvd.allreduce(torch.tensor([value], dtype=dtype), op=hvd.Sum, name=name)
-    return summed.item()
+    return wait(hvd.allreduce_async(torch.tensor([value], dtype=dtype), op=hvd.Sum,
+                                    name=name)).item()
 
 
 def broadcast_object(obj, root_rank=0, name=None):
@@ -51,7 +88,12 @@ def broadcast_object(obj, root_rank=0, name=None):
     """
     if hvd.size() == 1:
         return obj
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvd_adapt.bcast")
+    # Pickled as Horovod's broadcast_object pickles (cloudpickle: lambdas, local classes);
+    # sent through broadcast_bytes, whose waits sleep (see wait()).
+    root = hvd.rank() == root_rank
+    data = broadcast_bytes(cloudpickle.dumps(obj) if root else None, root_rank,
+                           name or "hvd_adapt.bcast")
+    return obj if root else cloudpickle.loads(data)
 
 
 def start_broadcast_flag(flag, name, root_rank=0):
@@ -67,7 +109,7 @@ def flag_of(handle, flag=None):
     """The bool a :func:`start_broadcast_flag` handle carries (``flag`` where it is None)."""
     if handle is None:
         return bool(flag)
-    return bool(hvd.synchronize(handle)[0])
+    return bool(wait(handle)[0])
 
 
 def allgather_object(obj, name=None):
@@ -84,7 +126,7 @@ def allgather_object(obj, name=None):
     # so Horovod negotiates both in one cycle: half the latency per call.
     sizes = hvd.allgather_async(torch.tensor([data.numel()]), name=name + ".sz")
     data = hvd.allgather_async(data, name=name + ".t")
-    sizes, data = hvd.synchronize(sizes).tolist(), hvd.synchronize(data).numpy().tobytes()
+    sizes, data = wait(sizes).tolist(), wait(data).numpy().tobytes()
     objects, start = [], 0
     for size in sizes:
         objects.append(pickle.loads(data[start:start + size]))
@@ -174,7 +216,7 @@ def broadcast_tensors(named_tensors, root_rank=0):
     for key in list(packs):
         send_pack(key)
     for handle, flat, members in in_flight:
-        hvd.synchronize(handle)
+        wait(handle)
         start = 0
         for bits, wire, copied in members:
             if flat is not wire:
@@ -245,27 +287,8 @@ class _TensorSlot:
         self.shape, self.dtype, self.device = shape, dtype, device
 
 
-def barrier(name="hvd_adapt.barrier", contribution=0):
-    """Collective: return once every replica has called it, sleeping while it waits;
-    returns the sum of every replica's ``contribution`` (an int).
-
-    Horovod's blocking operations wait in a loop of ``std::this_thread::yield``
-    that keeps a core busy. Where a replica may wait long for another (rank 0
-    fitting the goodput model, a new worker still starting up) and replicas
-    share cores, the waiting ones slow down the very one they wait for. Call
-    this before such a collective: it polls Horovod's handle with a sleep that
-    grows to 10 ms, and the collective after it starts with everyone present.
-    """
-    if hvd.size() == 1:
-        return contribution
-    handle = hvd.allreduce_async(torch.tensor([contribution], dtype=torch.int64), op=hvd.Sum,
-                                 name=name)
-    return int(_wait_sleeping(handle)[0])
-
-
 def gather_ints(values, name):
-    """Collective: every replica's list of ints (all of one length), indexed by rank, waited
-    for as :func:`barrier` waits (sleeping), so it can stand where replicas arrive far apart.
+    """Collective: every replica's list of ints (all of one length), indexed by rank.
 
     >>> gather_ints([1, 2], name="doc")     # a world of one
     [[1, 2]]
@@ -273,7 +296,7 @@ def gather_ints(values, name):
     if hvd.size() == 1:
         return [list(values)]
     handle = hvd.allgather_async(torch.tensor([list(values)], dtype=torch.int64), name=name)
-    return _wait_sleeping(handle).tolist()
+    return wait(handle).tolist()
 
 
 def max_ints(values, name):
@@ -281,8 +304,8 @@ def max_ints(values, name):
     one small allreduce, so flags (0/1) are OR-ed and counters agree on the largest."""
     if hvd.size() == 1:
         return list(values)
-    return hvd.allreduce(torch.tensor(list(values), dtype=torch.int64), op=hvd.Max,
-                         name=name).tolist()
+    return wait(hvd.allreduce_async(torch.tensor(list(values), dtype=torch.int64), op=hvd.Max,
+                                    name=name)).tolist()
 
 
 def broadcast_bytes(data, root_rank, name, chunk_bytes=1 << 28):
@@ -293,25 +316,19 @@ def broadcast_bytes(data, root_rank, name, chunk_bytes=1 << 28):
         return data
     root = hvd.rank() == root_rank
     length = torch.tensor([-1 if not root or data is None else len(data)], dtype=torch.int64)
-    length = int(hvd.broadcast(length, root_rank=root_rank, name=name + ".len")[0])
+    length = int(wait(hvd.broadcast_async(length, root_rank=root_rank, name=name + ".len"))[0])
     if length < 0:
         return None
-    out = bytearray(length)
+    out = None if root else bytearray(length)
     for start in range(0, length, chunk_bytes):
         stop = min(start + chunk_bytes, length)
         piece = torch.frombuffer(bytearray(data[start:stop]), dtype=torch.uint8) if root \
             else torch.empty(stop - start, dtype=torch.uint8)
-        hvd.broadcast_(piece, root_rank=root_rank, name=f"{name}.{start // chunk_bytes}")
-        out[start:stop] = piece.numpy().tobytes()
-    return bytes(out)
-
-
-def _wait_sleeping(handle):
-    delay = 1e-4
-    while not hvd.poll(handle):
-        time.sleep(delay)
-        delay = min(2 * delay, 0.01)
-    return hvd.synchronize(handle)
+        wait(hvd.broadcast_async_(piece, root_rank=root_rank,
+                                  name=f"{name}.{start // chunk_bytes}"))
+        if not root:
+            out[start:stop] = piece.numpy().tobytes()
+    return bytes(data) if root else bytes(out)
 
 
 def _check_number(value, key=None):

@@ -263,8 +263,8 @@ class Controller:
             if self._hints is not None:
                 self._publish_hints(size)
         if size > 1:
-            # Rank 0 may have spent a while fitting the throughput model.
-            collective.barrier()
+            # Rank 0 may have spent a while fitting the throughput model: the others wait
+            # for it sleeping (collective.wait).
             decision = collective.broadcast_object(decision, name="hvd_adapt.decision")
         choice, self._times_halves = decision
         self._choice = (int(choice[0]), int(choice[1]), size)

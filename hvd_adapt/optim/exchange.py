@@ -69,7 +69,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from .backward_pass import PassTracker, current_task
-from .._runtime.collective import in_place_view
+from .._runtime.collective import in_place_view, wait
 from .buckets import Control, Layout, cap_bytes_for, signature
 from .ledger import Ledger
 from .noise import sqnorm, total_sqnorm
@@ -585,8 +585,8 @@ class GradientExchange:
             flags[pending] = 1
         # A host tensor: the decision reads it without waiting for the device.
         with self._naming_the_cause("ledger"):
-            agreed = hvd.allreduce(flags, op=hvd.Sum,
-                                   name=f"{self.name}.{self._version}.ledger")
+            agreed = wait(hvd.allreduce_async(flags, op=hvd.Sum,
+                                              name=f"{self.name}.{self._version}.ledger"))
         members = agreed.nonzero().flatten().tolist()
         if not members:
             return
@@ -612,7 +612,7 @@ class GradientExchange:
         handles, self._handles = self._handles, {}
         for index, (handle, sent, carries_extra) in handles.items():
             with self._naming_the_cause(index):
-                outputs = hvd.synchronize(handle)
+                outputs = wait(handle)
             if carries_extra:
                 carried = outputs[-1]
             for entry, output in zip(sent, outputs):

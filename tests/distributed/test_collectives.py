@@ -20,9 +20,13 @@ def _check(reports, np, launcher):
         assert rep["bcast"] == {"from": np - 1}
         assert rep["gather"] == [10 * r for r in range(np)]
         assert rep["gather_sizes"] == ["x" * (100 * r) for r in range(np)]
-        # Waiting a second for a late rank must not keep a core busy (Horovod's
-        # own blocking wait spins: about a second of CPU here).
-        assert rep["barrier_cpu_s"] < 0.25, rep
+        # Waiting for a late rank must not keep a core busy: Horovod's own blocking wait
+        # spins (0.6 CPU-s for the 0.6 s wait on an idle machine). The ranks that come on
+        # time wait; the late one's own call is short.
+        spent = rep["wait_cpu_s"]
+        assert len(spent) == 8, spent
+        if rank != np - 1:
+            assert max(spent.values()) < 0.15, spent
         assert rep["after_host_check"] == np
 
 
