@@ -1,8 +1,8 @@
 """Process plumbing under the public API.
 
 - :mod:`.env`: ``init``, where this process runs (rank, sizes, launcher);
-- :mod:`.collective`: object collectives, optimizer-state and tensor broadcasts, a sleeping
-  barrier, over Horovod;
+- :mod:`.collective`: object collectives, optimizer-state and tensor broadcasts over Horovod,
+  and ``wait``, the one wait for a Horovod operation (it sleeps where Horovod's spins);
 - :mod:`.gloo`: what a Gloo world needs before ``hvd.init()`` (every worker started, a
   reachable host address);
 - :mod:`.liveness`: the one rule for when an elastic worker is ended, and the evidence;
