@@ -13,17 +13,25 @@ from support.training_logs import check_exactly_once, check_identical_replicas
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("args", [["--kind", "adamw"], ["--kind", "adamw", "--amp"],
-                                  ["--kind", "sgd"]], ids=["adamw", "adamw+amp", "sgd"])
-def test_two_ranks_train_bitwise_as_with_the_state_in_memory(args, tmp_path):
-    memory = run_ranks("swap_exact.py", np=2, args=args).check().reports
-    swapped = run_ranks("swap_exact.py", np=2, args=args + ["--swap-dir", tmp_path]).check().reports
-    steps = memory[0]["steps"]
+RECIPES = ["adamw", "adamw+amp", "sgd"]
+
+
+@pytest.fixture(scope="module")
+def recipe_steps(tmp_path_factory):
+    """Every recipe's steps, by rank: one job trains them all (see swap_exact.py)."""
+    root = tmp_path_factory.mktemp("swap_exact")
+    return run_ranks("swap_exact.py", np=2,
+                     args=["--cases"] + RECIPES + ["--swap-root", root]).check().reports
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_ranks_train_bitwise_as_with_the_state_in_memory(recipe, recipe_steps):
+    steps = recipe_steps[0]["cases"][recipe]["memory"]
     assert len(steps) == 12 and all(s["accumulation"] == 1 for s in steps)
     assert steps[-1]["noise"][0] > 0, "the noise was measured"
     for rank in (0, 1):
-        assert memory[rank]["steps"] == steps
-        assert swapped[rank]["steps"] == steps, rank
+        assert recipe_steps[rank]["cases"][recipe]["memory"] == steps
+        assert recipe_steps[rank]["cases"][recipe]["swapped"] == steps, rank
 
 
 def test_layouts_that_change_at_two_ranks_stay_bitwise_as_in_memory(tmp_path):
