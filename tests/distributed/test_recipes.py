@@ -1,6 +1,10 @@
 """Real recipes under horovodrun -np 2: AdamW + weight decay, bf16 autocast + GradScaler,
 clipping, and a rank that skips a step. Every rank's gradients and parameters are compared.
+The cases that end well share one job per worker script (a job's start-up costs more than
+their few steps); the one that must fail has a job of its own.
 """
+import json
+
 import pytest
 
 from support.launch import run_ranks
@@ -8,48 +12,59 @@ from support.launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("buckets", [[], ["--bucket-cap-mb", 0.002],
-                                     ["--bucket-cap-mb", 0.002, "--amp"]],
-                         ids=["one-bucket", "buckets", "buckets+amp"])
-def test_clipping_sees_the_averaged_gradients(buckets):
+CASES = {
+    "one-bucket": ["--steps", 4],
+    "buckets": ["--steps", 4, "--bucket-cap-mb", 0.002],
+    "buckets+amp": ["--steps", 4, "--bucket-cap-mb", 0.002, "--amp"],
+    "fp16-compression": ["--steps", 4, "--fp16-compression"],
+    "uncompressed": ["--steps", 1],
+    "inf-on-one-rank": ["--amp", "--steps", 8, "--inf-at", 3],
+    "step-skipped-on-one-rank": ["--steps", 6, "--skip-at", 2],
+}
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    """Every case of CASES, by name and rank: one job trains them all (recipes_train.py)."""
+    reports = run_ranks("recipes_train.py", np=2, args=["--cases", json.dumps(CASES)],
+                        timeout=240).check().reports
+    return {name: (reports[0]["cases"][name], reports[1]["cases"][name]) for name in CASES}
+
+
+@pytest.mark.parametrize("case", ["one-bucket", "buckets", "buckets+amp"])
+def test_clipping_sees_the_averaged_gradients(case, recipes):
     # This small model fits in one bucket by default; tiny buckets (one per
     # parameter here) take the path larger models take, allreduces started
     # mid-backward, also under bf16 autocast with a GradScaler.
-    job = run_ranks("recipes_train.py", np=2, args=["--steps", 4] + buckets).check()
-    first, second = job.reports[0]["steps"], job.reports[1]["steps"]
+    first, second = (rep["steps"] for rep in recipes[case])
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
     assert [s["params"] for s in first] == [s["params"] for s in second]
     assert all(s["stepped"] for s in first + second)
 
 
-def test_fp16_compression_passes_through_and_keeps_replicas_alike():
-    job = run_ranks("recipes_train.py", np=2, args=["--steps", 4, "--fp16-compression"]).check()
-    first, second = job.reports[0]["steps"], job.reports[1]["steps"]
+def test_fp16_compression_passes_through_and_keeps_replicas_alike(recipes):
+    first, second = (rep["steps"] for rep in recipes["fp16-compression"])
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
     assert [s["params"] for s in first] == [s["params"] for s in second]
     assert all(s["grad_dtypes"] == ["torch.float32"] for s in first)
     # The gradients went through fp16: they differ from an uncompressed run's.
-    plain = run_ranks("recipes_train.py", np=2, args=["--steps", 1]).check()
-    assert plain.reports[0]["steps"][0]["grads"] != first[0]["grads"]
+    assert recipes["uncompressed"][0]["steps"][0]["grads"] != first[0]["grads"]
 
 
-def test_gradscaler_skips_an_overflow_on_one_rank_on_every_rank():
-    job = run_ranks("recipes_train.py", np=2, args=["--amp", "--steps", 8, "--inf-at", 3],
-                    timeout=120).check()
-    first, second = job.reports[0]["steps"], job.reports[1]["steps"]
+def test_gradscaler_skips_an_overflow_on_one_rank_on_every_rank(recipes):
+    first_report, second_report = recipes["inf-on-one-rank"]
+    first, second = first_report["steps"], second_report["steps"]
     assert [s["stepped"] for s in first] == [s["stepped"] for s in second]
     assert [s["stepped"] for s in first] == [True] * 3 + [False] + [True] * 4
     # The scale halved after the overflow, on both ranks.
     assert first[3]["scale"] == second[3]["scale"] == first[2]["scale"] / 2
     assert [s["params"] for s in first] == [s["params"] for s in second]
     # A skipped step is no progress.
-    assert job.reports[0]["progress"] == job.reports[1]["progress"] == 7
+    assert first_report["progress"] == second_report["progress"] == 7
 
 
-def test_a_rank_skipping_step_leaves_no_one_waiting():
-    job = run_ranks("recipes_train.py", np=2, args=["--steps", 6, "--skip-at", 2],
-                    timeout=90).check()
-    first, second = job.reports[0]["steps"], job.reports[1]["steps"]
+def test_a_rank_skipping_step_leaves_no_one_waiting(recipes):
+    first, second = (rep["steps"] for rep in recipes["step-skipped-on-one-rank"])
     assert len(first) == len(second) == 6
     assert [s["stepped"] for s in second] == [True, True, False, True, True, True]
     # Gradients are averaged in backward: every later step still averages alike.
@@ -67,14 +82,20 @@ def test_a_rank_skipping_backward_fails_fast_with_an_error_naming_the_cause():
     assert "different numbers of backward passes" in job.output
 
 
-@pytest.mark.parametrize("measure", [[], ["--measure-noise"]], ids=["plain", "measuring"])
-def test_accumulation_at_two_replicas_equals_one_large_batch(measure):
+@pytest.fixture(scope="module")
+def accumulated():
+    """accumulate.py's four cases, by rank: one job trains them all."""
+    return run_ranks("accumulate.py", np=2,
+                     args=["--cases", "1", "4", "1+noise", "4+noise"]).check().reports
+
+
+@pytest.mark.parametrize("noise", ["", "+noise"], ids=["plain", "measuring"])
+def test_accumulation_at_two_replicas_equals_one_large_batch(noise, accumulated):
     # Averaged over micro-steps and replicas alike whether a bucket starts in a
     # hook or at the end of backward (an unused parameter holds it back).
-    big = run_ranks("accumulate.py", np=2, args=measure).check().reports
-    small = run_ranks("accumulate.py", np=2, args=["--micro", 4] + measure).check().reports
-    assert small[0]["accum"] == 3 and big[0]["accum"] == 0
     for rank in (0, 1):
-        assert small[rank]["weights"] == pytest.approx(big[rank]["weights"], abs=1e-5)
-        assert small[rank]["bias"] == pytest.approx(big[rank]["bias"], abs=1e-5)
-        assert small[rank]["unused"] == big[rank]["unused"] == [1.0, 1.0, 1.0]
+        big, small = accumulated[rank]["cases"]["1" + noise], accumulated[rank]["cases"]["4" + noise]
+        assert small["accum"] == 3 and big["accum"] == 0
+        assert small["weights"] == pytest.approx(big["weights"], abs=1e-5)
+        assert small["bias"] == pytest.approx(big["bias"], abs=1e-5)
+        assert small["unused"] == big["unused"] == [1.0, 1.0, 1.0]
