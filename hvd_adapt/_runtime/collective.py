@@ -32,10 +32,10 @@ def wait(handle):
     rank 0 evaluating alone, a peer gone until Gloo's timeout) keeps a whole core busy for as
     long as it waits, taken from its loader's workers, the commit's copying thread (which
     also needs the GIL), and, where ranks share cores, from the very peer it waits for (a
-    rank waiting 12 s for another used 13 CPU-s). Here the wait polls the handle: yielding the core between polls
-    for :data:`WAIT_SPIN_SECONDS` (as Horovod does), then sleeping in steps that grow with the time
-    waited (:data:`WAIT_MAX_SLEEP` at most), and takes the result from Horovod once it is
-    done.
+    rank waiting 12 s for another used 13 CPU-s). Here the wait polls the handle, yielding
+    the core between polls for :data:`WAIT_SPIN_SECONDS` (as Horovod does), then sleeping
+    in steps that grow with the time waited (:data:`WAIT_MAX_SLEEP` at most), and takes the
+    result from Horovod once it is done.
 
     >>> import hvd_adapt, horovod.torch as hvd, torch
     >>> hvd_adapt.init()

@@ -24,11 +24,19 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def recipes():
-    """Every case of CASES, by name and rank: one job trains them all (recipes_train.py)."""
-    reports = run_ranks("recipes_train.py", np=2, args=["--cases", json.dumps(CASES)],
-                        timeout=240).check().reports
-    return {name: (reports[0]["cases"][name], reports[1]["cases"][name]) for name in CASES}
+def recipes_job():
+    """One job trains every case of CASES (recipes_train.py); ``recipes(name)`` is the
+    case's (rank 0, rank 1) reports."""
+    return run_ranks("recipes_train.py", np=2, args=["--cases", json.dumps(CASES)],
+                     timeout=240)
+
+
+@pytest.fixture
+def recipes(recipes_job):
+    def case(name):
+        runs = recipes_job.case(name)
+        return runs[0], runs[1]
+    return case
 
 
 @pytest.mark.parametrize("case", ["one-bucket", "buckets", "buckets+amp"])
@@ -36,23 +44,23 @@ def test_clipping_sees_the_averaged_gradients(case, recipes):
     # This small model fits in one bucket by default; tiny buckets (one per
     # parameter here) take the path larger models take, allreduces started
     # mid-backward, also under bf16 autocast with a GradScaler.
-    first, second = (rep["steps"] for rep in recipes[case])
+    first, second = (rep["steps"] for rep in recipes(case))
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
     assert [s["params"] for s in first] == [s["params"] for s in second]
     assert all(s["stepped"] for s in first + second)
 
 
 def test_fp16_compression_passes_through_and_keeps_replicas_alike(recipes):
-    first, second = (rep["steps"] for rep in recipes["fp16-compression"])
+    first, second = (rep["steps"] for rep in recipes("fp16-compression"))
     assert [s["grads"] for s in first] == [s["grads"] for s in second]
     assert [s["params"] for s in first] == [s["params"] for s in second]
     assert all(s["grad_dtypes"] == ["torch.float32"] for s in first)
     # The gradients went through fp16: they differ from an uncompressed run's.
-    assert recipes["uncompressed"][0]["steps"][0]["grads"] != first[0]["grads"]
+    assert recipes("uncompressed")[0]["steps"][0]["grads"] != first[0]["grads"]
 
 
 def test_gradscaler_skips_an_overflow_on_one_rank_on_every_rank(recipes):
-    first_report, second_report = recipes["inf-on-one-rank"]
+    first_report, second_report = recipes("inf-on-one-rank")
     first, second = first_report["steps"], second_report["steps"]
     assert [s["stepped"] for s in first] == [s["stepped"] for s in second]
     assert [s["stepped"] for s in first] == [True] * 3 + [False] + [True] * 4
@@ -64,7 +72,7 @@ def test_gradscaler_skips_an_overflow_on_one_rank_on_every_rank(recipes):
 
 
 def test_a_rank_skipping_step_leaves_no_one_waiting(recipes):
-    first, second = (rep["steps"] for rep in recipes["step-skipped-on-one-rank"])
+    first, second = (rep["steps"] for rep in recipes("step-skipped-on-one-rank"))
     assert len(first) == len(second) == 6
     assert [s["stepped"] for s in second] == [True, True, False, True, True, True]
     # Gradients are averaged in backward: every later step still averages alike.
@@ -84,17 +92,17 @@ def test_a_rank_skipping_backward_fails_fast_with_an_error_naming_the_cause():
 
 @pytest.fixture(scope="module")
 def accumulated():
-    """accumulate.py's four cases, by rank: one job trains them all."""
-    return run_ranks("accumulate.py", np=2,
-                     args=["--cases", "1", "4", "1+noise", "4+noise"]).check().reports
+    """One job trains accumulate.py's four cases."""
+    return run_ranks("accumulate.py", np=2, args=["--cases", "1", "4", "1+noise", "4+noise"])
 
 
 @pytest.mark.parametrize("noise", ["", "+noise"], ids=["plain", "measuring"])
 def test_accumulation_at_two_replicas_equals_one_large_batch(noise, accumulated):
     # Averaged over micro-steps and replicas alike whether a bucket starts in a
     # hook or at the end of backward (an unused parameter holds it back).
+    bigs, smalls = accumulated.case("1" + noise), accumulated.case("4" + noise)
     for rank in (0, 1):
-        big, small = accumulated[rank]["cases"]["1" + noise], accumulated[rank]["cases"]["4" + noise]
+        big, small = bigs[rank], smalls[rank]
         assert small["accum"] == 3 and big["accum"] == 0
         assert small["weights"] == pytest.approx(big["weights"], abs=1e-5)
         assert small["bias"] == pytest.approx(big["bias"], abs=1e-5)

@@ -17,21 +17,25 @@ RECIPES = ["adamw", "adamw+amp", "sgd"]
 
 
 @pytest.fixture(scope="module")
-def recipe_steps(tmp_path_factory):
-    """Every recipe's steps, by rank: one job trains them all (see swap_exact.py)."""
+def recipes_job(tmp_path_factory):
+    """One job trains every recipe, in memory and then on disk (see swap_exact.py)."""
     root = tmp_path_factory.mktemp("swap_exact")
-    return run_ranks("swap_exact.py", np=2,
-                     args=["--cases"] + RECIPES + ["--swap-root", root]).check().reports
+    return run_ranks("swap_exact.py", np=2, args=["--cases"] + RECIPES + ["--swap-root", root],
+                     timeout=240)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_two_ranks_train_bitwise_as_with_the_state_in_memory(recipe, recipe_steps):
-    steps = recipe_steps[0]["cases"][recipe]["memory"]
+def test_two_ranks_train_bitwise_as_with_the_state_in_memory(recipe, recipes_job):
+    runs = recipes_job.case(recipe)
+    steps = runs[0]["memory"]["steps"]
     assert len(steps) == 12 and all(s["accumulation"] == 1 for s in steps)
     assert steps[-1]["noise"][0] > 0, "the noise was measured"
     for rank in (0, 1):
-        assert recipe_steps[rank]["cases"][recipe]["memory"] == steps
-        assert recipe_steps[rank]["cases"][recipe]["swapped"] == steps, rank
+        assert runs[rank]["memory"]["steps"] == steps
+        assert runs[rank]["swapped"]["steps"] == steps, rank
+        # The swapped run's state was on disk at every step; the other's never.
+        assert runs[rank]["memory"]["swap_steps"] == 0
+        assert runs[rank]["swapped"]["swap_steps"] == 12, runs[rank]["swapped"]["swap_steps"]
 
 
 def test_layouts_that_change_at_two_ranks_stay_bitwise_as_in_memory(tmp_path):

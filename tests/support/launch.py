@@ -85,6 +85,23 @@ class JobResult:
         assert self.returncode == 0, f"job failed with {self.returncode}:\n{self.output[-6000:]}"
         return self
 
+    def case(self, name, np=2):
+        """Every rank's result of case ``name``, by rank, from a job that ran several
+        (``run_cases`` in the workers' ``_report.py``). Fails naming the case where a rank
+        raised in it or never finished it, or where the job failed after every case."""
+        cases = {rank: self.reports.get(rank, {}).get("cases", {}) for rank in range(np)}
+        errors = {rank: c[name]["error"] for rank, c in cases.items() if "error" in c.get(name, {})}
+        assert not errors, "".join(f"case {name!r} failed on rank {rank}:\n{error}"
+                                   for rank, error in errors.items())
+        missing = [rank for rank, c in cases.items() if name not in c]
+        assert not missing, (f"case {name!r} did not finish on rank(s) {missing}: the job "
+                             f"ended with {self.returncode}:\n{self.output[-6000:]}")
+        done = all(self.reports[rank].get("done") for rank in range(np))
+        assert self.returncode == 0 or not done, (
+            f"every case finished, but the job ended with {self.returncode}:\n"
+            f"{self.output[-6000:]}")
+        return {rank: c[name]["result"] for rank, c in cases.items()}
+
 
 def run_job(command, out_dir=None, timeout=180, env=None):
     """Run ``command``; return its exit code, output and the per-rank JSON reports.

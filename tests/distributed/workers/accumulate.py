@@ -2,11 +2,12 @@
 gradient accumulation (``--micro N``: N micro-batches per optimizer step at the same
 global batch). Reports the final weights: accumulation must change nothing."""
 import argparse
+import functools
 
 import torch
 
 import hvd_adapt
-from _report import report
+from _report import run_cases
 
 
 class WithUnused(torch.nn.Module):
@@ -57,5 +58,5 @@ def train_case(micro, measure_noise):
 
 # One job for every case (a job's start-up costs more than its training).
 hvd_adapt.init()
-report({"cases": {case: train_case(int(case.split("+")[0]), case.endswith("+noise"))
-                  for case in args.cases}}, hvd_adapt.env.rank())
+run_cases({case: functools.partial(train_case, int(case.split("+")[0]), case.endswith("+noise"))
+           for case in args.cases}, hvd_adapt.env.rank())

@@ -11,6 +11,7 @@ as clipping saw them, and whether the step was taken. ``--cases`` trains several
 cases in one job.
 """
 import argparse
+import functools
 import hashlib
 import json
 
@@ -18,7 +19,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_adapt
-from _report import report
+from _report import report, run_cases
 
 
 def digest(tensors):
@@ -98,5 +99,5 @@ if arguments.cases is None:
     report(train_case(arguments), rank)
 else:
     # A job's start-up costs more than a case's few steps: one job trains every case.
-    report({"cases": {name: train_case(parser.parse_args([str(a) for a in case_args]))
-                      for name, case_args in arguments.cases.items()}}, rank)
+    run_cases({name: functools.partial(train_case, parser.parse_args([str(a) for a in case_args]))
+               for name, case_args in arguments.cases.items()}, rank)

@@ -2,13 +2,14 @@
 reports digests of its parameters and optimizer state after every
 optimizer step, for tests/distributed/test_swap_two_ranks.py to compare."""
 import argparse
+import functools
 import hashlib
 import os
 
 import torch
 
 import hvd_adapt
-from _report import report
+from _report import run_cases
 
 
 def digest(tensors):
@@ -80,16 +81,18 @@ def train_recipe(kind, amp, swap_dir):
                 state.commit()
 
     train(state)
-    return steps
+    # The evidence that the state was on disk: the steps the swap took.
+    return {"steps": steps, "swap_steps": opt.swap_metrics().get("swap_steps", 0)}
+
+
+def memory_then_disk(case):
+    kind, amp = case.split("+")[0], case.endswith("+amp")
+    return {"memory": train_recipe(kind, amp, None),
+            "swapped": train_recipe(kind, amp, os.path.join(args.swap_root, case))}
 
 
 # One job for every recipe (a job's start-up costs more than its 12 steps): each recipe
 # trains afresh from the same seeds, in memory and then on disk.
 hvd_adapt.init()
 rank = hvd_adapt.env.rank()
-cases = {}
-for case in args.cases:
-    kind, amp = case.split("+")[0], case.endswith("+amp")
-    cases[case] = {"memory": train_recipe(kind, amp, None),
-                   "swapped": train_recipe(kind, amp, os.path.join(args.swap_root, case))}
-report({"rank": rank, "cases": cases}, rank)
+run_cases({case: functools.partial(memory_then_disk, case) for case in args.cases}, rank)
