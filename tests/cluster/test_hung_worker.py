@@ -40,6 +40,10 @@ def check_h3_rejoined(job):
 
 
 def test_a_worker_stopped_for_good_is_replaced(bed, job_dir):
-    job = faults.run_fault(bed, job_dir, stop_h3, after_fault=90, epochs=EPOCHS)
+    # The survivors hold still at step 16 (ten steps after the fault) until h3's rejoin
+    # reaches them: without it, two survivors that wait sleeping could finish the epochs
+    # before h3's cooldown and cold start were over (seen once), and nothing would rejoin.
+    job = faults.run_fault(bed, job_dir, stop_h3, after_fault=90, epochs=EPOCHS,
+                           worker_args=["--wait-steps", "[16]"])
     check_trained_on(job)
     check_h3_rejoined(job)

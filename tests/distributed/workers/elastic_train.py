@@ -405,9 +405,11 @@ def main():
                 if state.step in args.wait_steps and state.step not in state.waited \
                         and RESTARTS == 0:
                     state.waited = state.waited + [state.step]
-                    # Hold still at this step until the driver's resize reaches us.
-                    deadline = time.time() + args.hold_seconds
-                    while time.time() < deadline:
+                    # Hold still at this step until the driver's resize reaches us. A count,
+                    # not a deadline: each pass is a collective, and ranks that read their
+                    # own clocks could leave after different numbers of passes, one waiting
+                    # in a vote the others never join (a job hung so where no resize came).
+                    for _ in range(round(args.hold_seconds / 0.1)):
                         time.sleep(0.1)
                         commit() if args.commit_every == 1 else check_hosts()
             with stats.synchronized():
