@@ -19,7 +19,7 @@ CASES = [f"{optimizer}:{root_trained}:{wrapped}" for optimizer in ("sgd", "adamw
 def sync_job():
     """The eight cases in one job, one after the other, each on its own model, optimizer
     and State (one launch instead of eight)."""
-    return run_ranks("sync_recipes.py", np=2, args=["--cases", ",".join(CASES)]).check()
+    return run_ranks("sync_recipes.py", np=2, args=["--cases", ",".join(CASES)])
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -27,7 +27,7 @@ def sync_job():
 @pytest.mark.parametrize("wrapped", ["torch", "hvd_adapt"])
 def test_sync_copies_rank0_and_changes_nothing(sync_job, optimizer, root_trained, wrapped):
     case = f"{optimizer}:{root_trained}:{wrapped}"
-    reports = {rank: sync_job.reports[rank][case] for rank in sync_job.reports}
+    reports = sync_job.case(case)
     assert sorted(reports) == [0, 1]
     root = reports[0]
     for rank, rep in reports.items():

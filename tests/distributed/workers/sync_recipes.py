@@ -9,13 +9,14 @@ runs several cases in one job (one launch and one import of torch for all),
 each on its own model, optimizer and State.
 """
 import argparse
+import functools
 import hashlib
 import os
 
 import torch
 
 import hvd_adapt
-from _report import report
+from _report import report, run_cases
 
 
 def digest(tensors):
@@ -84,10 +85,10 @@ if args.cases is None:
     report(run_case(args.optimizer, args.root_trained, args.wrapped, args.survivor_skips_sync),
            hvd_adapt.env.rank())
 else:
-    results = {}
+    cases = {}
     for case in args.cases.split(","):
         optimizer, root_trained, wrapped = case.split(":")
         if optimizer not in OPTIMIZERS or wrapped not in WRAPPERS:
             parser.error(f"--cases: {case!r} is not optimizer:steps:torch|hvd_adapt")
-        results[case] = run_case(optimizer, int(root_trained), WRAPPERS[wrapped])
-        report(results, hvd_adapt.env.rank())
+        cases[case] = functools.partial(run_case, optimizer, int(root_trained), WRAPPERS[wrapped])
+    run_cases(cases, hvd_adapt.env.rank())
