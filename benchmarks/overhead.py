@@ -19,7 +19,9 @@ plain loop uses torch's DataLoader with a DistributedSampler
 and ``hvd.DistributedOptimizer``, the other AdaptiveDataLoader,
 hvd_adapt.DistributedOptimizer, an Accumulator and ``state.commit()`` every
 ``--commit-every`` steps (default 1: every step, as the README's loop; the EMA and the
-schedule ride in the State); both do the same EMA update, clipping and schedule. Each
+schedule ride in the State), whose snapshots take at most ``--snapshot-budget`` of the
+training time (default the State's, 0.03; ``none``: every commit snapshots, as before
+the budget); both do the same EMA update, clipping and schedule. Each
 process builds both loops once and runs them in alternating blocks of steps
 (a round: one block of each, the order flipped every round), and reports
 median step times after warm-up, the median over rounds of the ratio of the
@@ -31,6 +33,7 @@ and the bitmask every rank agrees on), ``ledger_share`` its share of the
 hvd_adapt loop's median step.
 
     python benchmarks/overhead.py [--model mlp-small,mlp-8m,mlp-25m] [--commit-every 1]
+                                  [--snapshot-budget 0.03|none]
                                   [--measure-noise] [--device auto|cpu|cuda]
 
 It also reports each loop's peak memory above the model's own (RSS on the
@@ -173,6 +176,8 @@ def worker(args):
                                              named_parameters=model.named_parameters())
         loader = hvd_adapt.AdaptiveDataLoader(data, batch_size=args.batch_size, shuffle=True)
         stats = hvd_adapt.Accumulator()
+        if args.snapshot_budget != "default":
+            extras["snapshot_budget"] = args.snapshot_budget
         state = hvd_adapt.State(model=model, optimizer=opt, loader=loader, stats=stats, **extras)
         state.sync()
 
@@ -309,6 +314,7 @@ def launch(np_, args, memory_of=None):
     script = [HERE, "--worker", "--out", out, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
               "--commit-every", str(args.commit_every), "--device", args.device,
+              "--snapshot-budget", str(args.snapshot_budget).lower(),
               "--model", args.model]
     if args.measure_noise:
         script.append("--measure-noise")
@@ -331,6 +337,13 @@ def launch(np_, args, memory_of=None):
         return json.load(f)
 
 
+def budget(text):
+    """``--snapshot-budget``: a share of training time, ``none`` or ``default``."""
+    if text.lower() in ("none", "default"):
+        return None if text.lower() == "none" else "default"
+    return float(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp-small,mlp-8m,mlp-25m",
@@ -344,6 +357,9 @@ def main(argv=None):
     parser.add_argument("--memory-of", choices=["plain", "hvd_adapt"], help=argparse.SUPPRESS)
     parser.add_argument("--commit-every", type=int, default=1,
                         help="the hvd_adapt loop commits every N steps (default 1: every step)")
+    parser.add_argument("--snapshot-budget", type=budget, default="default",
+                        help="the share of training time commits' snapshots may take "
+                             "(default: the State's, 0.03); none: every commit snapshots")
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--measure-noise", action="store_true",
                         help="the hvd_adapt loop measures the gradient noise scale too")
@@ -360,6 +376,9 @@ def main(argv=None):
     for name in models:
         if name not in MODELS:
             parser.error(f"--model {name!r} is not one of {', '.join(MODELS)}")
+    print({"default": "snapshot budget: the State's default",
+           None: "snapshot budget: none (every commit snapshots)"}.get(
+        args.snapshot_budget, f"snapshot budget: {args.snapshot_budget} of the training time"))
     print(f"{'model':>14} {'procs':>5} {'commit_every':>12} {'plain_ms':>9} {'hvd_adapt_ms':>13} {'ratio':>6} "
           f"{'90% interval':>13} {'mean_ratio':>10} {'steps':>6} {'plain_MiB':>9} "
           f"{'hvd_adapt_MiB':>13} {'ledger_ms':>9} {'ledger_share':>12}")
@@ -391,6 +410,7 @@ def main(argv=None):
                   f"{mem['plain']:>9.1f} {mem['hvd_adapt']:>13.1f} {r['ledger'] * 1e3:>9.3f} "
                   f"{r['ledger_share']:>12.4f}", flush=True)
             rows.append({"model": name, "procs": np_, "commit_every": args.commit_every,
+                         "snapshot_budget": args.snapshot_budget,
                          "plain_ms": r["plain"] * 1e3,
                          "hvd_adapt_ms": r["hvd_adapt"] * 1e3, "ratio": ratio,
                          "interval": [low, high], "mean_ratio": mean_ratio, "steps": r["steps"],
@@ -400,7 +420,8 @@ def main(argv=None):
     if args.json:
         import record
         record.write(args.json, {"measure_noise": args.measure_noise, "device": args.device,
-                                 "commit_every": args.commit_every, "rows": rows})
+                                 "commit_every": args.commit_every,
+                                 "snapshot_budget": args.snapshot_budget, "rows": rows})
     return worst
 
 

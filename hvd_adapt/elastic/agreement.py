@@ -6,7 +6,8 @@ holds the job's state, and, where no rank holds it (a job starting or
 restarting), which rank's checkpoint file is the newest. At a commit
 (:func:`vote`; also where a script checks for host changes between
 commits): whether any replica was asked to drain, whether rank 0's last
-checkpoint write failed, and whether the driver reported a host change.
+checkpoint write failed, whether the driver reported a host change, and
+whether the commit snapshots.
 Each is one small collective; the decision is then the same on every rank.
 """
 import collections
@@ -23,7 +24,7 @@ ones) and, where the state comes from a checkpoint, the rank whose file is read
 (``source_rank``, None otherwise) and its ``generation``."""
 
 CommitVotes = collections.namedtuple("CommitVotes", "drain checkpoint_failed hosts_updated "
-                                                    "removed_only")
+                                                    "removed_only snapshot")
 
 
 def at_sync(wants_full, holds_state, generation, unreadable_message=None):
@@ -62,15 +63,25 @@ def at_sync(wants_full, holds_state, generation, unreadable_message=None):
     return SyncPlan(full, source, newest)
 
 
-def vote(drain_requested, checkpoint_failure, host_updates):
+def vote(drain_requested, checkpoint_failure, host_updates, wants_snapshot=True,
+         needs_snapshot=False):
     """Collective: the :class:`CommitVotes` of every rank's ``drain_requested`` (bool),
-    ``checkpoint_failure`` (a message, or None) and ``host_updates`` (``(removed, added)``
-    as this rank received them from the driver, or None: the driver tells rank 0 alone)."""
+    ``checkpoint_failure`` (a message, or None), ``host_updates`` (``(removed, added)``
+    as this rank received them from the driver, or None: the driver tells rank 0 alone),
+    ``wants_snapshot`` (its snapshots are within their budget) and ``needs_snapshot``.
+
+    The commit snapshots where any rank needs it, where every rank wants it, or where
+    the job is about to act (a drain, a checkpoint failure, a resize): what it acts on
+    is then the restore point of every rank."""
     removed, added = host_updates or (False, False)
     votes = [int(bool(drain_requested)), int(checkpoint_failure is not None),
-             int(host_updates is not None), int(removed), int(added)]
-    drain, failed, updated, removed, added = collective.max_ints(votes, name="hvd_adapt.commit")
-    return CommitVotes(bool(drain), bool(failed), bool(updated), bool(removed and not added))
+             int(host_updates is not None), int(removed), int(added), int(not wants_snapshot),
+             int(bool(needs_snapshot))]
+    drain, failed, updated, removed, added, declined, needed = collective.max_ints(
+        votes, name="hvd_adapt.commit")
+    snapshot = bool(needed or drain or failed or updated or not declined)
+    return CommitVotes(bool(drain), bool(failed), bool(updated), bool(removed and not added),
+                       snapshot)
 
 
 def fail_together(error, name):

@@ -45,6 +45,7 @@ tensor's copy cost, and a transformer's commit has thousands.
 import atexit
 import queue
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -175,6 +176,7 @@ class _Phase:
         self.failure = None
         self.checked = False   # waited for (the device's copies: ordered) and checked
         self.event = None      # CUDA: recorded on the side stream after its device copies
+        self.thread_seconds = 0.0   # the copying thread's CPU time on these copies
 
 
 class CommitCopies:
@@ -200,6 +202,7 @@ class CommitCopies:
         # views is most of a small tensor's copy (a transformer's commit has thousands).
         self._last = {}
         self._made = []           # CPU copies checked since the last commit began
+        self._seconds = 0.0       # what the deferred copies cost since take_seconds()
 
     # -- a commit --------------------------------------------------------------------
     def begin(self, step_written=(), defer=True):
@@ -284,6 +287,13 @@ class CommitCopies:
     def pending(self):
         return bool(self._phases or self._host_events)
 
+    def take_seconds(self):
+        """What the deferred copies checked since the last call cost: the training thread's
+        time waiting for them and the copying thread's CPU time (a snapshot budget's
+        charge, see snapshot_budget.py)."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
     def wait(self, until=STEP, host=True):
         """Finish the last commit's deferred copies up to phase ``until`` (:data:`FORWARD`:
         those of parameters no optimizer steps) and check them. ``host=False`` (at a
@@ -296,13 +306,17 @@ class CommitCopies:
                 self._finish(phase)
         if not host or until < STEP:
             return
+        start = time.perf_counter()
         for event in self._host_events:
             event.synchronize()
+        self._seconds += time.perf_counter() - start
         self._host_events = []
         self._phases = []
 
     def _finish(self, phase):
+        start = time.perf_counter()
         phase.done.wait()
+        self._seconds += time.perf_counter() - start + phase.thread_seconds
         changed = [c for c in phase.copies if c.src._version != c.version]
         if phase.failure is not None and not changed:
             # The thread failed part-way, and no source was written since the commit
@@ -358,10 +372,12 @@ def _copy_phases(jobs):
         if phases is None:
             return
         for phase in phases:
+            start = time.thread_time()
             try:
                 for c in phase.cpu:
                     _copy_on_cpu(c)
             except BaseException as e:     # made again, checked, at the wait
                 phase.failure = e
             finally:
+                phase.thread_seconds = time.thread_time() - start
                 phase.done.set()

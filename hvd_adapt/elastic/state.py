@@ -21,6 +21,7 @@ them. The State adds what Horovod's lacks:
 import gc
 import logging
 import pickle
+import time
 import weakref
 
 import torch
@@ -38,6 +39,7 @@ from .drain import Drain
 from .epoch import EpochCounter, check_epoch
 from .handlers import ModelHandler, handler_for, snapshot
 from .participant import Participant
+from .snapshot_budget import DEFAULT_SHARE, SnapshotBudget
 from .state_checkpoints import StateCheckpoints
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,9 @@ class State(TorchState):
     every commit gives each model's buffers (BatchNorm's running statistics)
     rank 0's values, so replicas evaluate and checkpoint alike; use
     ``hvd.SyncBatchNorm`` where statistics over the whole batch matter, and
-    False to keep each replica's own.
+    False to keep each replica's own. ``snapshot_budget`` (default 0.03): the
+    share of training time that commits' snapshots may take; None snapshots at
+    every commit (see :meth:`commit`).
     Everything whose state must be the same on every replica belongs here:
     a worker that joins a job receives only what the State carries, and
     hvd_adapt refuses to run (on every rank, with an error naming it) when a
@@ -80,7 +84,7 @@ class State(TorchState):
     """
 
     def __init__(self, model=None, optimizer=None, snapshot_to_host=None, broadcast_buffers=True,
-                 **kwargs):
+                 snapshot_budget=DEFAULT_SHARE, **kwargs):
         counter = EpochCounter()
         if "epoch" in kwargs:
             # Horovod's examples keep the epoch as a plain value (State(..., epoch=0)); here
@@ -99,6 +103,8 @@ class State(TorchState):
         if snapshot_to_host is None:
             snapshot_to_host = torch.cuda.is_available()
         check_bool("broadcast_buffers", broadcast_buffers)
+        self._budget = SnapshotBudget(snapshot_budget)
+        self._snapshot_is_current = True   # the last commit (or save) snapshotted
         self._copies = CommitCopies()
         self._copies.begin(defer=False)
         for name, handler in ours.items():
@@ -162,6 +168,12 @@ class State(TorchState):
         the number a checkpoint of the last commit records."""
         return self.epochs.commits
 
+    @property
+    def snapshot_generation(self):
+        """The :attr:`generation` that a failure (a restore) returns to: that of the last
+        commit that snapshotted."""
+        return internals.handlers(self)["epochs"].saved_state()["commits"]
+
     def at_optim_boundary(self):
         """False while any loader is between the steps of an accumulation cycle."""
         return all(value.at_commit_point() for value in self._participants)
@@ -182,6 +194,19 @@ class State(TorchState):
         so an elastic job ends instead of blacklisting a healthy host); a
         host change reported by the driver (``HostsUpdatedInterrupt``, where
         the resize takes effect).
+
+        Then it snapshots (every value copied, the restore point of a failure)
+        as often as the ``snapshot_budget`` given to the State allows: so a
+        script may commit after every batch. A commit that skips its snapshot
+        still votes and settles; a failure then returns every rank to the
+        last snapshot, one step's consistent state (parameters, optimizer,
+        loader positions, accumulators, counters) at most about
+        ``cost / budget`` seconds of training old (about a second for a
+        snapshot of 30 ms and the default 3%). Every rank snapshots at the
+        same commits, and always at the end of an epoch, before a drain or
+        a resize, and for a checkpoint (:meth:`save_checkpoint` snapshots
+        where the last commit did not). :attr:`snapshot_generation` says
+        which commit a failure returns to.
         """
         self._commit(raise_host_updates=True)
 
@@ -191,7 +216,7 @@ class State(TorchState):
         self.epochs.epoch += 1
         self._commit(raise_host_updates=True, epoch_end=True)
 
-    def _commit(self, raise_host_updates, epoch_end=False):
+    def _commit(self, raise_host_updates, epoch_end=False, needs_snapshot=False):
         if not self.at_optim_boundary():
             return
         self._settle()
@@ -204,10 +229,16 @@ class State(TorchState):
         self.epochs.commits += 1
         if epoch_end:
             self.epochs.epoch_end_commits = self.epochs.commits
-        self._save(defer=True)
         failure = self._checkpoints.failure()
+        self._budget.charge(self._copies.take_seconds())
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
-                               self._host_updates())
+                               self._host_updates(), self._budget.wants_snapshot(),
+                               needs_snapshot or epoch_end)
+        self._snapshot_is_current = votes.snapshot
+        if votes.snapshot:
+            start = time.perf_counter()
+            self._save(defer=True)
+            self._budget.charge(time.perf_counter() - start)
         if votes.checkpoint_failed:
             self._checkpoints.fail_together("hvd_adapt.commit.checkpoint_failed")
         if votes.drain:
@@ -245,6 +276,7 @@ class State(TorchState):
         (Horovod keeps plain values by reference, so an in-place change survived a
         restore)."""
         self._save(defer=False)
+        self._snapshot_is_current = True
 
     def _save(self, defer):
         # defer (a commit): the parameters' and optimizer state's copies are made while the
@@ -394,7 +426,7 @@ class State(TorchState):
         path = self.epochs.finish_left_epoch()
         if path is False:
             return
-        self._commit(raise_host_updates=False)
+        self._commit(raise_host_updates=False, needs_snapshot=True)
         if path is not None:
             self.save_checkpoint(path, background=True)
             self.settle_checkpoint()
@@ -412,8 +444,14 @@ class State(TorchState):
         the file is written and fsynced on a thread while training goes on;
         the next save, :meth:`wait_for_checkpoint` and the interpreter's exit
         wait for it. A failed write raises :class:`hvd_adapt.CheckpointError`
-        there, and at the next commit on every rank.
+        there, and at the next commit on every rank. Where the last commit
+        skipped its snapshot (see :meth:`commit`), rank 0 snapshots first:
+        the file holds the state of the last commit all the same.
         """
+        if env.rank() == 0 and not self._snapshot_is_current:
+            # Rank 0's restore point moves ahead of the others' alone: harmless, since a
+            # failure's restore is followed by a sync that gives every rank rank 0's.
+            self.save()
         self._checkpoints.save(path, background)
 
     def refresh_checkpoint(self, path):

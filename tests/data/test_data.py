@@ -363,7 +363,7 @@ def test_iterable_dataset_is_refused_with_what_to_use():
 
 def test_loader_iterated_twice_in_an_epoch_makes_two_passes_but_resumes_finished_ones():
     loader = AdaptiveDataLoader(Indices(10), batch_size=4)
-    state = hvd_adapt.State(val_loader=loader)
+    state = hvd_adapt.State(val_loader=loader, snapshot_budget=None)
     passes = []
     for epoch in hvd_adapt.remaining_epochs_until(2):
         for _ in range(2):  # read mid-epoch and at the end

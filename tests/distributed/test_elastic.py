@@ -15,7 +15,7 @@ import pytest
 
 from support.elastic_jobs import FAST_HOROVODRUN, discovery_script, run_elastic, sizes_in_order
 from support.launch import WORKERS, run_job
-from support.training_logs import check_exactly_once, check_identical_replicas
+from support.training_logs import check_exactly_once, check_identical_replicas, read_attempts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.elastic]
 
@@ -62,6 +62,27 @@ def test_worker_sigkill_exactly_once():
     job, commits, epochs = run_elastic(schedule, np=3, min_np=1, max_np=3, worker_args=args)
     job.check()
     assert sizes_in_order(commits) == [3, 2]
+    check_exactly_once(commits, epochs, 3)
+    check_identical_replicas(commits)
+
+
+def test_a_worker_killed_long_after_the_last_snapshot_loses_no_sample_and_no_step():
+    # A budget so small that, after the first, only what must snapshot does (the epoch's
+    # ends, the resize): the kill at step 5 sends the survivors back four commits or more,
+    # to the first snapshot (the start's sync or the first commit), with everything of that
+    # step (loader positions, accumulator totals, optimizer state, the commit log), and they
+    # train those steps again.
+    schedule = [(0, ["localhost:2", "127.0.0.1:1"])]
+    args = ["--epochs", "3", "--batch-size", "9", "--kill-step", "5", "--kill-host", "127.0.0.1",
+            "--snapshot-budget", "1e-9"]
+    job, commits, epochs = run_elastic(schedule, np=3, min_np=1, max_np=3, worker_args=args)
+    job.check()
+    restored = [entries[1] for entries in read_attempts(job.out_dir).values()
+                if len(entries) > 1]
+    assert restored and all(entry["size"] == 2 and entry["step"] <= 1 for entry in restored), \
+        [(e["size"], e["step"], e["generation"]) for e in restored]
+    # What the world of 3 trained was never snapshotted: none of it stands.
+    assert sizes_in_order(commits) == [2]
     check_exactly_once(commits, epochs, 3)
     check_identical_replicas(commits)
 

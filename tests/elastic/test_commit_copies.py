@@ -45,7 +45,7 @@ def make_job(frozen=False):
     opt = DistributedOptimizer(torch.optim.AdamW(params, lr=0.1),
                                named_parameters=model.named_parameters())
     ema = Ema(model)
-    state = State(model=model, optimizer=opt, ema=ema)
+    state = State(model=model, optimizer=opt, ema=ema, snapshot_budget=None)
     return state, model, opt, ema
 
 
@@ -269,7 +269,7 @@ def test_tied_weights_are_copied_once_and_restore_tied():
     head.weight = embed.weight
     model = torch.nn.Sequential(embed, head)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    state = State(model=model, optimizer=opt)
+    state = State(model=model, optimizer=opt, snapshot_budget=None)
     saved = state._handlers["model"].saved_state()
     assert saved["0.weight"] is saved["1.weight"]
     committed = copy.deepcopy(model.state_dict())
@@ -320,7 +320,8 @@ def test_on_cuda_the_copies_run_on_a_side_stream_and_a_failure_restores_the_comm
                                 torch.nn.Linear(64, 4)).cuda()
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
     ema = Ema(model)
-    state = State(model=model, optimizer=opt, ema=ema, snapshot_to_host=to_host)
+    state = State(model=model, optimizer=opt, ema=ema, snapshot_to_host=to_host,
+                  snapshot_budget=None)
 
     def cuda_step(seed):
         gen = torch.Generator().manual_seed(seed)

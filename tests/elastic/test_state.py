@@ -28,7 +28,8 @@ def make_job(samples=20, batch_size=4, accumulate=False):
         loader.autoscale_batch_size(4 * batch_size, local_bsz_bounds=(1, batch_size // 2),
                                     gradient_accumulation=True)
     stats = Accumulator()
-    state = State(model=model, optimizer=opt, loader=loader, stats=stats, best=0.0)
+    state = State(model=model, optimizer=opt, loader=loader, stats=stats, best=0.0,
+                  snapshot_budget=None)    # every commit a restore point
     return state, model, opt, loader, stats
 
 

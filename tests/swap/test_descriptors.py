@@ -30,7 +30,8 @@ def test_no_descriptor_leaks_over_commits_restores_state_dicts_and_loads(tmp_pat
     start = open_descriptors()
     pairs = pair(deep, swap_dir, buffer_mb=24 / 1024)
     (model, opt), (reference, ref_opt) = pairs
-    state, ref_state = State(model=model, optimizer=opt), State(model=reference, optimizer=ref_opt)
+    state = State(model=model, optimizer=opt, snapshot_budget=None)
+    ref_state = State(model=reference, optimizer=ref_opt, snapshot_budget=None)
     for seed in range(120):
         step(model, opt, seed)
         step(reference, ref_opt, seed)

@@ -411,7 +411,7 @@ def test_a_step_that_fails_part_way_leaves_the_state_broken_until_a_restore(faul
     # read of chunks 4-7 fails, a real short read): parameters moved, their state did not,
     # so the state is broken until a restore returns both to the commit.
     pairs = pair(deep, str(tmp_path), buffer_mb=24 / 1024)
-    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    states = [State(model=model, optimizer=opt, snapshot_budget=None) for model, opt in pairs]
     step_both(pairs, 2)
     for state in states:
         state.commit()
@@ -447,7 +447,7 @@ def test_a_write_that_fails_part_way_leaves_the_state_broken_until_a_restore(mou
     # step.
     swap_dir = mount("tmpfs", "2m")
     pairs = pair(deep, str(swap_dir), buffer_mb=24 / 1024)
-    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    states = [State(model=model, optimizer=opt, snapshot_budget=None) for model, opt in pairs]
     step_both(pairs, 2)
     for state in states:
         state.commit()

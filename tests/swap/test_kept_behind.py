@@ -75,8 +75,8 @@ def test_a_file_left_over_at_a_restore_goes_once_the_folder_is_writable(tmp_path
     swap_dir = tmp_path / "swap"
     pairs = pair(deep, str(swap_dir), buffer_mb=24 / 1024)
     (model, opt), (reference, ref_opt) = pairs
-    state = State(model=model, optimizer=opt)
-    ref_state = State(model=reference, optimizer=ref_opt)
+    state = State(model=model, optimizer=opt, snapshot_budget=None)
+    ref_state = State(model=reference, optimizer=ref_opt, snapshot_budget=None)
     for seed in range(3):
         step(model, opt, seed)
         step(reference, ref_opt, seed)
@@ -119,8 +119,8 @@ def test_a_file_system_read_only_for_a_while_leaves_no_file_behind_each_time(mou
     point = mount("tmpfs", "8m")
     pairs = pair(deep, str(point), buffer_mb=24 / 1024)
     (model, opt), (reference, ref_opt) = pairs
-    state = State(model=model, optimizer=opt)
-    ref_state = State(model=reference, optimizer=ref_opt)
+    state = State(model=model, optimizer=opt, snapshot_budget=None)
+    ref_state = State(model=reference, optimizer=ref_opt, snapshot_budget=None)
     for seed in range(3):
         step(model, opt, seed)
         step(reference, ref_opt, seed)

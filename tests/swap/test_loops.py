@@ -373,7 +373,7 @@ def test_what_a_loop_does_between_backward_and_step_keeps_training_bitwise(event
     from support.swap_pairs import assert_same, deep, pair, step_both
     pairs = pair(deep, str(tmp_path / "swap"), buffer_mb=24 / 1024)
     (tmp_path / "checkpoints").mkdir()
-    states = [State(model=model, optimizer=opt) for model, opt in pairs]
+    states = [State(model=model, optimizer=opt, snapshot_budget=None) for model, opt in pairs]
     step_both(pairs, 2)
     for state in states:
         state.commit()

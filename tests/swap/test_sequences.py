@@ -39,7 +39,7 @@ def build(where):
     model, inner = deep()
     inner.after = {}
     opt = DistributedOptimizer(inner, swap_dir=where, swap_buffer_mb=24 / 1024 if where else None)
-    return model, opt, State(model=model, optimizer=opt)
+    return model, opt, State(model=model, optimizer=opt, snapshot_budget=None)
 
 
 def difference(a, b):

@@ -221,6 +221,8 @@ def main():
     parser.add_argument("--kill-all-at-step", type=int, default=-1,
                         help="every rank SIGKILLs itself when it reaches this step, in the "
                              "first run of hvd-adapt-run only (HVD_ADAPT_RESTARTS 0)")
+    parser.add_argument("--snapshot-budget", type=float, default=None,
+                        help="State(snapshot_budget=...) (default: the State's)")
     parser.add_argument("--commit-every", type=int, default=1,
                         help="commit at every N-th optimizer step; check for host changes "
                              "after the other batches (the digits example's pattern)")
@@ -266,6 +268,8 @@ def main():
                   waited=[])
     if scaler is not None:
         values["scaler"] = scaler
+    if args.snapshot_budget is not None:
+        values["snapshot_budget"] = args.snapshot_budget
     state = hvd_adapt.State(**values)
     checkpoint = args.checkpoint.replace("{host}", host) if args.checkpoint else None
     if args.slow_checkpoint_fsync:

@@ -59,7 +59,7 @@ def backward(x):
 
 swapped, memory = build(swap_dir), build(None)
 state = hvd_adapt.State(model=swapped[0], optimizer=swapped[1], reference=memory[0],
-                        reference_optimizer=memory[1])
+                        reference_optimizer=memory[1], snapshot_budget=None)
 state.sync()
 data = torch.Generator().manual_seed(100 + rank)
 saved = []

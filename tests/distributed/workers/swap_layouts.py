@@ -38,7 +38,7 @@ def build(seed, with_head):
     head = None
     if with_head:
         head = add_head(model, opt)
-    return model, opt, head, hvd_adapt.State(model=model, optimizer=opt)
+    return model, opt, head, hvd_adapt.State(model=model, optimizer=opt, snapshot_budget=None)
 
 
 def add_head(model, opt):
@@ -88,7 +88,8 @@ if rank == 0:
     model.load_state_dict(old_model.state_dict())
     opt.load_state_dict(old_opt.state_dict())
 # The old optimizer lives on (its State keeps it): a State must carry every one.
-state = hvd_adapt.State(model=model, optimizer=opt, retired=old_opt)
+state = hvd_adapt.State(model=model, optimizer=opt, retired=old_opt,
+                        snapshot_budget=None)
 state.sync()
 step("8 after a joiner's sync")
 step("9 after a joiner's sync")
