@@ -23,6 +23,7 @@ snapshots somewhat rarer than they need be, never more costly than ``share``.
 Every rank decides alone and the commit's vote takes the decision of the poorest, so all
 ranks snapshot at the same commits (a restore then returns every rank to the same step).
 """
+import numbers
 import time
 
 #: The default share of training time snapshots may take (``State(snapshot_budget=...)``).
@@ -34,7 +35,7 @@ def check_share(share):
     otherwise."""
     if share is None:
         return None
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+    if isinstance(share, bool) or not isinstance(share, numbers.Real) or not 0 < share <= 1:
         raise ValueError(f"snapshot_budget must be a share of training time in (0, 1] "
                          f"(0.03: snapshots may take 3% of it), or None (every commit "
                          f"snapshots); got {share!r}")

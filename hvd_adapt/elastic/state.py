@@ -105,6 +105,8 @@ class State(TorchState):
         check_bool("broadcast_buffers", broadcast_buffers)
         self._budget = SnapshotBudget(snapshot_budget)
         self._snapshot_is_current = True   # the last commit (or save) snapshotted
+        self._steps = _StepMark()          # whether an optimizer stepped since the last commit
+        self._realign = False              # a snapshot outside a commit: the next one snapshots
         self._copies = CommitCopies()
         self._copies.begin(defer=False)
         for name, handler in ours.items():
@@ -116,6 +118,8 @@ class State(TorchState):
                 handler.buffers_name = f"hvd_adapt.buffers.{name}"
             handler.save()
             _wait_for_copies_before_writes(handler.value, self._copies)
+            if isinstance(handler.value, torch.optim.Optimizer):
+                handler.value.register_step_pre_hook(self._steps.hook())
         self._copies.launch()
         model, optimizer = kwargs.pop("model", None), kwargs.pop("optimizer", None)
         super().__init__(model=model, optimizer=optimizer, **kwargs)
@@ -233,7 +237,12 @@ class State(TorchState):
         self._budget.charge(self._copies.take_seconds())
         votes = agreement.vote(self._drain is not None and self._drain.requested, failure,
                                self._host_updates(), self._budget.wants_snapshot(),
-                               needs_snapshot or epoch_end)
+                               needs_snapshot or epoch_end or self._realign)
+        self._steps.stepped = self._realign = False
+        if not votes.snapshot and self._snapshot_is_current and log.isEnabledFor(logging.DEBUG):
+            log.debug("commit %d keeps the snapshot of commit %d: snapshots stay within %s "
+                      "of the training time (State(snapshot_budget=...))", self.generation,
+                      self.snapshot_generation, self._budget.share)
         self._snapshot_is_current = votes.snapshot
         if votes.snapshot:
             start = time.perf_counter()
@@ -444,14 +453,25 @@ class State(TorchState):
         the file is written and fsynced on a thread while training goes on;
         the next save, :meth:`wait_for_checkpoint` and the interpreter's exit
         wait for it. A failed write raises :class:`hvd_adapt.CheckpointError`
-        there, and at the next commit on every rank. Where the last commit
-        skipped its snapshot (see :meth:`commit`), rank 0 snapshots first:
-        the file holds the state of the last commit all the same.
+        there, and at the next commit on every rank.
+
+        Where the last commit skipped its snapshot (see :meth:`commit`), each
+        rank that calls it snapshots first, so the file holds the last commit
+        all the same: call it on every rank, as the examples do. (Where rank 0
+        alone calls it, its restore point is ahead of the others' until the
+        next commit, which then snapshots on every rank; a failure's restore
+        is followed by a sync to rank 0's, so only a ``restore()`` by hand in
+        between would see them differ.) Called after an optimizer step that
+        no commit followed, it writes the last snapshot, and says so.
         """
-        if env.rank() == 0 and not self._snapshot_is_current:
-            # Rank 0's restore point moves ahead of the others' alone: harmless, since a
-            # failure's restore is followed by a sync that gives every rank rank 0's.
-            self.save()
+        if not self._snapshot_is_current:
+            if self._steps.stepped:
+                log.warning("save_checkpoint(%r) after an optimizer step that no commit "
+                            "followed writes the last snapshot (generation %d): call it "
+                            "right after state.commit()", path, self.snapshot_generation)
+            else:
+                self.save()
+                self._realign = True
         self._checkpoints.save(path, background)
 
     def refresh_checkpoint(self, path):
@@ -534,6 +554,23 @@ def _handler(name, value):
             f"or register a handler for it (hvd_adapt.register_handler({kind}, ...)), or keep "
             "it out of the State and rebuild it from values the State carries") from e
     return None
+
+
+class _StepMark:
+    """Whether an optimizer a State carries stepped since its last commit."""
+
+    def __init__(self):
+        self.stepped = False
+
+    def hook(self):
+        """An optimizer step pre-hook that sets :attr:`stepped` (holding this mark weakly)."""
+        ref = weakref.ref(self)
+
+        def hook(*_):
+            found = ref()
+            if found is not None:
+                found.stepped = True
+        return hook
 
 
 def _wait_for_copies_before_writes(value, copies):

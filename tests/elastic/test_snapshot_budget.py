@@ -102,3 +102,37 @@ def test_a_budget_outside_its_range_is_refused_naming_it(bad):
                                          r"\(0, 1\].*got " + repr(bad).replace("(", r"\(")
                        .replace(")", r"\)")):
         State(model=torch.nn.Linear(2, 1), snapshot_budget=bad)
+
+
+def test_a_checkpoint_after_a_step_no_commit_followed_holds_the_last_snapshot(tmp_path, caplog):
+    # Before the fix, the checkpoint snapshotted the live state here: a step no commit had
+    # made, under the last commit's generation (found by an attack).
+    state, model, opt, loader, stats = make_job(snapshot_budget=1e-9)
+    snapshots = {}
+    for x, y in loader:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        state.commit()
+        snapshots.setdefault(state.snapshot_generation,
+                             whole_state(state, model, opt, loader, stats))
+        if state.generation == 4:
+            break
+    assert state.snapshot_generation < state.generation
+    x, y = next(iter(loader))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    path = str(tmp_path / "ckpt.pt")
+    with caplog.at_level("WARNING", logger="hvd_adapt"):
+        state.save_checkpoint(path)
+    assert "after an optimizer step that no commit followed" in caplog.text
+    fresh, f_model, f_opt, f_loader, f_stats = make_job()
+    fresh.load_checkpoint(path)
+    assert_same(whole_state(fresh, f_model, f_opt, f_loader, f_stats),
+                snapshots[state.snapshot_generation])
+
+
+def test_a_numpy_share_is_a_share():
+    import numpy as np
+    state = State(model=torch.nn.Linear(2, 1), snapshot_budget=np.float32(0.03))
+    state.commit()
