@@ -104,7 +104,6 @@ class State(TorchState):
             snapshot_to_host = torch.cuda.is_available()
         check_bool("broadcast_buffers", broadcast_buffers)
         self._budget = SnapshotBudget(snapshot_budget)
-        self._snapshot_is_current = True   # the last commit (or save) snapshotted
         self._steps = _StepMark()          # whether an optimizer stepped since the last commit
         self._realign = False              # a snapshot outside a commit: the next one snapshots
         self._copies = CommitCopies()
@@ -239,11 +238,11 @@ class State(TorchState):
                                self._host_updates(), self._budget.wants_snapshot(),
                                needs_snapshot or epoch_end or self._realign)
         self._steps.stepped = self._realign = False
-        if not votes.snapshot and self._snapshot_is_current and log.isEnabledFor(logging.DEBUG):
+        if not votes.snapshot and log.isEnabledFor(logging.DEBUG) \
+                and self.snapshot_generation == self.generation - 1:
             log.debug("commit %d keeps the snapshot of commit %d: snapshots stay within %s "
                       "of the training time (State(snapshot_budget=...))", self.generation,
                       self.snapshot_generation, self._budget.share)
-        self._snapshot_is_current = votes.snapshot
         if votes.snapshot:
             start = time.perf_counter()
             self._save(defer=True)
@@ -285,7 +284,6 @@ class State(TorchState):
         (Horovod keeps plain values by reference, so an in-place change survived a
         restore)."""
         self._save(defer=False)
-        self._snapshot_is_current = True
 
     def _save(self, defer):
         # defer (a commit): the parameters' and optimizer state's copies are made while the
@@ -464,7 +462,7 @@ class State(TorchState):
         between would see them differ.) Called after an optimizer step that
         no commit followed, it writes the last snapshot, and says so.
         """
-        if not self._snapshot_is_current:
+        if self.snapshot_generation != self.generation:
             if self._steps.stepped:
                 log.warning("save_checkpoint(%r) after an optimizer step that no commit "
                             "followed writes the last snapshot (generation %d): call it "
